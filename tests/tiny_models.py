@@ -1,0 +1,143 @@
+"""Tiny random Hugging Face checkpoints, built in the test with a fixed seed.
+
+Random init at HF's scale gives near-tied logits (every greedy test passes by luck) or,
+with tied embeddings, a model that just echoes its last token. `make_tiny_checkpoint`
+re-draws the weights at scales that give peaked, varied logits, and trains a small
+byte-level BPE tokenizer (with a chat template) on a fixed text, so each checkpoint is a
+complete folder: config.json, model.safetensors, tokenizer files.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sysconfig
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"]
+_CORPUS_MODULES = ["textwrap.py", "heapq.py", "bisect.py", "colorsys.py", "fnmatch.py"]
+
+
+def _corpus() -> list[str]:
+    stdlib = sysconfig.get_paths()["stdlib"]
+    texts = []
+    for name in _CORPUS_MODULES:
+        path = os.path.join(stdlib, name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                texts.append(f.read())
+    # A fixed fallback so the tokenizer is the same kind of thing on any interpreter.
+    texts.append("def hello(name):\n    return 'hello ' + name\n" * 20)
+    return texts
+
+
+def make_tokenizer(path: str, vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def _hf_config(family: str, vocab_size: int, eos: int, **overrides):
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    if family == "bamba":
+        cfg = dict(
+            hidden_size=48, intermediate_size=80, num_hidden_layers=4,
+            num_attention_heads=6, num_key_value_heads=2, attn_layer_indices=[1],
+            mamba_n_heads=6, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=12,
+            mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, tie_word_embeddings=False,
+            max_position_embeddings=4096,
+        )
+        cls = tf.BambaConfig
+    elif family == "mamba2":
+        cfg = dict(
+            hidden_size=40, num_heads=5, head_dim=16, state_size=12, num_hidden_layers=3,
+            n_groups=1, expand=2, conv_kernel=4, chunk_size=16, tie_word_embeddings=False,
+        )
+        cls = tf.Mamba2Config
+    elif family == "mamba":
+        cfg = dict(hidden_size=40, state_size=10, num_hidden_layers=3, expand=2, conv_kernel=4,
+                   time_step_rank=6, tie_word_embeddings=True)
+        cls = tf.MambaConfig
+    elif family == "falcon_mamba":
+        cfg = dict(hidden_size=40, state_size=10, num_hidden_layers=3, expand=2, conv_kernel=4,
+                   time_step_rank=6, tie_word_embeddings=False)
+        cls = tf.FalconMambaConfig
+    elif family == "llama":
+        cfg = dict(hidden_size=48, intermediate_size=72, num_hidden_layers=3,
+                   num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False,
+                   max_position_embeddings=4096)
+        cls = tf.LlamaConfig
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    cfg.update(common)
+    cfg.update(overrides)
+    return cls(**cfg)
+
+
+@torch.no_grad()
+def _rescale(model: torch.nn.Module, tied: bool, gen: torch.Generator) -> None:
+    """Redraw weights so activations stay O(1) and logits are peaked but varied."""
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if "A_log" in name or "dt_bias" in name or leaf == "D":
+            continue  # keep HF's SSM dynamics init (stable decays, sane step sizes)
+        if "norm" in name and p.ndim == 1:
+            p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+        elif "embed" in name or "embeddings" in name:
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.35 if tied else 1.0))
+        elif "lm_head" in name:
+            p.copy_(torch.randn(p.shape, generator=gen) * (2.5 / math.sqrt(p.shape[1])))
+        elif "conv1d.weight" in name:
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+        elif p.ndim == 2:
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def make_tiny_checkpoint(path: str, family: str = "bamba", seed: int = 0, **overrides) -> str:
+    """Build and save a tiny `family` checkpoint (+ tokenizer) under `path`; return `path`."""
+    import transformers as tf
+
+    os.makedirs(path, exist_ok=True)
+    tokenizer = make_tokenizer(path)
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = _hf_config(family, len(tokenizer), eos, **overrides)
+    arch = {
+        "bamba": tf.BambaForCausalLM,
+        "mamba2": tf.Mamba2ForCausalLM,
+        "mamba": tf.MambaForCausalLM,
+        "falcon_mamba": tf.FalconMambaForCausalLM,
+        "llama": tf.LlamaForCausalLM,
+    }[family]
+    torch.manual_seed(seed)
+    model = arch(config)
+    _rescale(model, config.tie_word_embeddings, torch.Generator().manual_seed(seed))
+    model.save_pretrained(path)
+    return path
