@@ -1,0 +1,72 @@
+"""Split a byte budget between SSM state slots and KV blocks. Pure Python."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    num_kv_blocks: int
+    num_state_slots: int
+    max_num_seqs: int
+    max_tokens_per_request: int  # min(max_model_len, what the KV cache can hold)
+
+
+def plan_cache(
+    *,
+    budget_bytes: int,
+    bytes_per_block: int,
+    bytes_per_slot: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    num_kv_blocks: int | None = None,
+) -> CachePlan:
+    """Give every one of `max_num_seqs` requests a state slot, and the rest to KV blocks.
+
+    A model without attention layers has bytes_per_block == 0 (no KV pool); one without
+    SSM layers has bytes_per_slot == 0 (no state pool). Where the slots do not fit beside
+    the KV blocks one request of max_model_len needs, max_num_seqs is lowered with a
+    warning rather than failing. `num_kv_blocks` overrides the KV share.
+    """
+    has_kv, has_state = bytes_per_block > 0, bytes_per_slot > 0
+    if has_kv:
+        min_blocks = -(-max_model_len // block_size)
+        kv_bytes = (num_kv_blocks if num_kv_blocks is not None else min_blocks) * bytes_per_block
+    else:
+        kv_bytes = 0
+    slots = max_num_seqs
+    if has_state:
+        fit = max(budget_bytes - kv_bytes, 0) // bytes_per_slot
+        if num_kv_blocks is not None:
+            fit = max(fit, 1)  # an explicit override is the user's call; keep one slot
+        if fit < 1:
+            raise ValueError(
+                f"the cache budget ({budget_bytes / 2**20:.1f} MiB) cannot hold one SSM state "
+                f"slot ({bytes_per_slot / 2**20:.2f} MiB) beside the KV cache for one request of "
+                f"max_model_len={max_model_len}; raise cache_memory / gpu_memory_utilization "
+                "or lower max_model_len"
+            )
+        if fit < max_num_seqs:
+            logger.warning(
+                "only %d SSM state slots fit in the cache budget; lowering max_num_seqs from "
+                "%d to %d (raise cache_memory / gpu_memory_utilization to run more at once)",
+                fit, max_num_seqs, fit,
+            )
+            slots = int(fit)
+    if has_kv:
+        if num_kv_blocks is None:
+            num_kv_blocks = (budget_bytes - slots * bytes_per_slot) // bytes_per_block
+        max_tokens = min(max_model_len, num_kv_blocks * block_size)
+    else:
+        num_kv_blocks, max_tokens = 0, max_model_len
+    return CachePlan(
+        num_kv_blocks=int(num_kv_blocks),
+        num_state_slots=slots if has_state else 0,
+        max_num_seqs=slots,
+        max_tokens_per_request=int(max_tokens),
+    )

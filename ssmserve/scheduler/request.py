@@ -1,0 +1,80 @@
+"""A request as the scheduler sees it: token counters, cache handles, status. Pure Python."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+class Request:
+    """One sequence being generated. There are no phases, only counters.
+
+    `num_computed_tokens` tokens of `all_token_ids` have been through the model (their
+    K/V are in the cache, their effect is in the state slot). The prompt is done when
+    `num_computed_tokens >= num_prompt_tokens`; after that each step computes one token.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        *,
+        max_tokens: int,
+        min_tokens: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
+        stop_token_ids: tuple[int, ...] = (),
+        arrival_index: int = 0,
+        payload: Any = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.arrival_index = arrival_index
+        self.payload = payload  # engine-side data (sampling params, detokenizer, ...)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.state_slot: int | None = None
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, computed="
+            f"{self.num_computed_tokens}/{self.num_tokens}, slot={self.state_slot}, "
+            f"blocks={len(self.block_ids)})"
+        )

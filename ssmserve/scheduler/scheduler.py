@@ -1,0 +1,200 @@
+"""Continuous-batching scheduler: counters, not phases. Pure Python (no torch)."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from ssmserve.cache import BlockPool, StatePool
+from ssmserve.scheduler.plan import ScheduledChunk, StepPlan
+from ssmserve.scheduler.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Builds one StepPlan per step within the token budget and the cache.
+
+    Order of service: running requests with one token left (decodes), then running
+    requests still prefilling, then waiting requests in arrival order (preempted ones
+    first). A prompt longer than the budget is split wherever the budget falls. When KV
+    blocks run out, the newest running request is preempted: it gives back its blocks and
+    state slot and is recomputed from scratch later (its output so far becomes prompt).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_tokens_per_request: int,
+        block_pool: BlockPool | None,
+        state_pool: StatePool | None,
+    ) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_tokens_per_request = max_tokens_per_request
+        self.block_pool = block_pool
+        self.state_pool = state_pool
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- requests in and out ---------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Stop a request wherever it is; frees its blocks and slot. None if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish_request(
+        self, request: Request, status: RequestStatus, stop_reason: int | str | None = None
+    ) -> None:
+        assert status.finished
+        if request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        self._release(request)
+        request.status = status
+        request.stop_reason = stop_reason
+        self.requests.pop(request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- planning ----------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+        chunks: dict[str, ScheduledChunk] = {}
+
+        for decodes in (True, False):
+            for request in list(self.running):
+                if budget == 0:
+                    break
+                if request.status != RequestStatus.RUNNING or request.request_id in chunks:
+                    continue
+                remaining = request.num_tokens - request.num_computed_tokens
+                if (remaining == 1) != decodes:
+                    continue
+                n = min(remaining, budget)
+                while not self._reserve_blocks(request, n):
+                    victim = self._newest_running(exclude=request)
+                    if victim is None:
+                        self._preempt(request, plan)
+                        break
+                    victim_chunk = chunks.pop(victim.request_id, None)
+                    if victim_chunk is not None:
+                        plan.chunks.remove(victim_chunk)
+                        budget += victim_chunk.num_new_tokens
+                    self._preempt(victim, plan)
+                else:
+                    chunk = ScheduledChunk(request, request.num_computed_tokens, n)
+                    chunks[request.request_id] = chunk
+                    plan.chunks.append(chunk)
+                    budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if self.state_pool is not None and self.state_pool.num_free == 0:
+                break
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve_blocks(request, n):
+                break  # never preempt a running request to admit a waiting one
+            self.waiting.popleft()
+            if self.state_pool is not None:
+                request.state_slot = self.state_pool.allocate()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunk = ScheduledChunk(request, request.num_computed_tokens, n)
+            chunks[request.request_id] = chunk
+            plan.chunks.append(chunk)
+            budget -= n
+        return plan
+
+    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
+        """Advance counters after the forward; append sampled tokens; apply token stops.
+
+        `sampled` maps request id -> new token for every chunk that completed its
+        known tokens. Returns the requests that got a new token (finished ones included).
+        """
+        advanced = []
+        for chunk in plan.chunks:
+            request = chunk.request
+            if request.status != RequestStatus.RUNNING:
+                continue
+            completes = chunk.completes_prompt
+            request.num_computed_tokens = chunk.end
+            if not completes:
+                continue
+            token = sampled[request.request_id]
+            request.append_output_token(token)
+            advanced.append(request)
+            status, reason = self._check_token_stop(request, token)
+            if status is not None:
+                self.finish_request(request, status, reason)
+        return advanced
+
+    # -- internals ---------------------------------------------------------------
+
+    def _check_token_stop(
+        self, request: Request, token: int
+    ) -> tuple[RequestStatus | None, int | None]:
+        if request.num_output_tokens >= request.min_tokens:
+            if token in request.stop_token_ids or token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        if request.num_tokens >= self.max_tokens_per_request:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
+
+    def _reserve_blocks(self, request: Request, num_new_tokens: int) -> bool:
+        if self.block_pool is None:
+            return True
+        needed = self.block_pool.blocks_for(request.num_computed_tokens + num_new_tokens)
+        missing = needed - len(request.block_ids)
+        if missing <= 0:
+            return True
+        block_ids = self.block_pool.allocate(missing)
+        if block_ids is None:
+            return False
+        request.block_ids.extend(block_ids)
+        return True
+
+    def _newest_running(self, exclude: Request) -> Request | None:
+        for request in reversed(self.running):
+            if request is not exclude:
+                return request
+        return None
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        logger.debug("preempting %s", request)
+        self.running.remove(request)
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        plan.preempted.append(request)
+
+    def _release(self, request: Request) -> None:
+        if self.block_pool is not None and request.block_ids:
+            self.block_pool.free(request.block_ids)
+        request.block_ids = []
+        if self.state_pool is not None and request.state_slot is not None:
+            self.state_pool.free(request.state_slot)
+        request.state_slot = None
