@@ -1,0 +1,52 @@
+"""Gated grouped RMSNorm twin against Hugging Face and a naive grouped version."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_testing import assert_close, randn, seeded
+
+from ssmserve.kernels.gated_rms_norm import gated_rms_norm_ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_gate", [False, True])
+def test_matches_hf_bamba_norm_exactly(dtype, with_gate):
+    from transformers.models.bamba.modeling_bamba import BambaRMSNormGated
+
+    gen = seeded(0)
+    x, z = randn(7, 24, gen=gen, dtype=dtype), randn(7, 24, gen=gen, dtype=dtype)
+    hf = BambaRMSNormGated(24, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(randn(24, gen=gen))
+        expected = hf(x, z if with_gate else None)
+    y = gated_rms_norm_ref(x, hf.weight.detach(), z if with_gate else None, eps=1e-5)
+    assert y.dtype == dtype
+    assert torch.equal(y, expected)
+
+
+@pytest.mark.parametrize("group_size", [None, 6, 12])
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+def test_grouped_matches_naive(group_size, norm_before_gate):
+    gen = seeded(1)
+    T, Dm, eps = 5, 24, 1e-6
+    x, z, w = randn(T, Dm, gen=gen), randn(T, Dm, gen=gen), randn(Dm, gen=gen)
+    y = gated_rms_norm_ref(
+        x, w, z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate
+    )
+    g = group_size or Dm
+    h = x.double() if norm_before_gate else x.double() * F.silu(z.double())
+    expected = torch.empty(T, Dm, dtype=torch.float64)
+    for start in range(0, Dm, g):
+        part = h[:, start : start + g]
+        expected[:, start : start + g] = part / torch.sqrt((part**2).mean(-1, keepdim=True) + eps)
+    expected = expected * w.double()
+    if norm_before_gate:
+        expected = expected * F.silu(z.double())
+    assert_close(y, expected)
+
+
+def test_group_size_must_divide():
+    with pytest.raises(ValueError, match="group_size"):
+        gated_rms_norm_ref(torch.ones(2, 10), torch.ones(10), eps=1e-5, group_size=4)
