@@ -61,7 +61,7 @@ class ModelConfig:
 
     path: str
     architecture: str
-    hf_config: dict[str, Any]
+    hf_config: Any  # transformers PretrainedConfig
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
@@ -71,8 +71,8 @@ class ModelConfig:
         from ssmserve.models.registry import supported_architectures
 
         with open(os.path.join(path, "config.json")) as f:
-            hf_config = json.load(f)
-        archs = hf_config.get("architectures") or []
+            raw = json.load(f)
+        archs = raw.get("architectures") or []
         supported = supported_architectures()
         arch = next((a for a in archs if a in supported), None)
         if arch is None:
@@ -80,14 +80,17 @@ class ModelConfig:
                 f"architecture {archs or 'missing'} of {path} is not supported; supported: "
                 + ", ".join(sorted(supported))
             )
-        eos = hf_config.get("eos_token_id")
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(path)
+        eos = raw.get("eos_token_id")
         gen_path = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen_path):
             with open(gen_path) as f:
                 eos = json.load(f).get("eos_token_id", eos)
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         # Attention layers have a trained position range; pure SSMs have none.
-        limit = hf_config.get("max_position_embeddings") or 131072
+        limit = raw.get("max_position_embeddings") or 131072
         if max_model_len is None:
             max_model_len = limit
         elif max_model_len < 1:
@@ -97,7 +100,7 @@ class ModelConfig:
             architecture=arch,
             hf_config=hf_config,
             max_model_len=max_model_len,
-            vocab_size=hf_config["vocab_size"],
+            vocab_size=raw["vocab_size"],
             eos_token_ids=eos_ids,
         )
 
@@ -182,7 +185,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="override the number of KV-cache blocks the memory planner picks")
     g.add_argument("--cache-memory", type=int, default=None,
-                   help="bytes for KV blocks and state slots (CPU; default 512 MiB)")
+                   help="bytes for KV blocks and state slots (CPU; default 256 MiB)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory the engine may use")
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
@@ -194,11 +197,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_torch_dtype(dtype: str, device: str, hf_config: dict[str, Any]) -> str:
+def resolve_torch_dtype(dtype: str, device: str, hf_config: Any) -> str:
     """Pick the compute dtype: float32 on CPU for 'auto', the checkpoint's 16-bit type on GPU."""
     if dtype != "auto":
         return dtype
     if device == "cpu":
         return "float32"
-    ckpt = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
+    ckpt = str(getattr(hf_config, "dtype", None) or "bfloat16").replace("torch.", "")
     return ckpt if ckpt in ("bfloat16", "float16") else "bfloat16"

@@ -8,6 +8,7 @@ annotations); launching a kernel then raises with a message saying what to insta
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -74,8 +75,36 @@ class LazyKernel:
             raise RuntimeError(triton_unavailable_reason(torch.device("cuda")))
         mode = interpret_mode()
         if mode not in self._compiled:
+            if mode:
+                _patch_interpreter_scalar_index()
             self._compiled[mode] = triton.jit(self.fn)
         return self._compiled[mode][grid]
+
+
+_interpreter_patched = False
+
+
+def _patch_interpreter_scalar_index() -> None:
+    """Let the Triton 3.6 interpreter use loaded scalars as loop bounds under numpy >= 2.4.
+
+    NOTE: the interpreter holds scalars as shape-(1,) arrays and converts them with
+    `int(array)`, which numpy 2.4 rejects, so `for i in range(start, end)` with a
+    runtime bound fails (triton-lang/triton#9171). We re-define `__index__` the way
+    the upstream fix does. Only the interpreter (CPU tests) is affected.
+    """
+    global _interpreter_patched
+    if _interpreter_patched:
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
+
+    interpreter._patch_lang_tensor = patched
+    _interpreter_patched = True
 
 
 def lazy_jit(fn: Callable[..., None]) -> LazyKernel:
@@ -86,6 +115,17 @@ def lazy_jit(fn: Callable[..., None]) -> LazyKernel:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (Triton block sizes must be powers of two)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def prev_pow2(n: int) -> int:
+    """Largest power of two <= n (n >= 1)."""
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Number of streaming multiprocessors of a CUDA device."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def check_shape(name: str, t: torch.Tensor, shape: Sequence[int | None]) -> None:

@@ -17,11 +17,23 @@ per chunk of L tokens with cum_i = sum_{k<=i} dt_k A:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ssmserve.kernels._common import check_shape, check_varlen, process_dt
+from ssmserve.kernels._common import (
+    check_shape,
+    check_varlen,
+    interpret_mode,
+    lazy_jit,
+    next_pow2,
+    num_sms,
+    prev_pow2,
+    process_dt,
+    tl,
+    triton,
+)
 
 
 def _check_ssd_args(
@@ -152,3 +164,189 @@ def ssd_scan_varlen_ref(
     if z is not None:
         y *= F.silu(z.float())
     return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------- Triton
+
+
+@lazy_jit
+def _ssd_scan_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, state_ptr,
+    cu_seqlens_ptr, state_slots_ptr, has_init_ptr,
+    heads_per_group, P, N, dt_min, dt_max,
+    stride_x_t, stride_x_h, stride_x_p,
+    stride_dt_t, stride_dt_h,
+    stride_b_t, stride_b_g, stride_b_n,
+    stride_c_t, stride_c_g, stride_c_n,
+    stride_z_t, stride_z_h, stride_z_p,
+    stride_y_t, stride_y_h, stride_y_p,
+    stride_s_slot, stride_s_h, stride_s_p, stride_s_n,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, CLAMP_DT: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, STATE_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # One program walks one (sequence, head, P-block) through all of the sequence's
+    # chunks, carrying the [BLOCK_P, N] state in registers: no inter-chunk state
+    # tensor round-trips through memory, and a resumed sequence needs nothing special.
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    pid_p = tl.program_id(2)
+    start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+    end = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
+    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
+    has_init = tl.load(has_init_ptr + seq) != 0
+    group = head // heads_per_group
+
+    offs_l = tl.arange(0, CHUNK)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    mask_pn = mask_p[:, None] & mask_n[None, :]
+    state_ptrs = (
+        state_ptr + slot * stride_s_slot + head * stride_s_h
+        + offs_p[:, None] * stride_s_p + offs_n[None, :] * stride_s_n
+    )  # fmt: skip
+    state = tl.load(state_ptrs, mask=mask_pn & has_init, other=0.0).to(tl.float32)
+
+    A = tl.load(A_ptr + head).to(tl.float32)
+    if HAS_DT_BIAS:
+        dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+    if HAS_D:
+        D = tl.load(D_ptr + head).to(tl.float32)
+    causal = offs_l[:, None] >= offs_l[None, :]
+
+    for c0 in range(start, end, CHUNK):
+        t = c0 + offs_l
+        mask_t = t < end
+        mask_tp = mask_t[:, None] & mask_p[None, :]
+        mask_tn = mask_t[:, None] & mask_n[None, :]
+        dt = tl.load(dt_ptr + t * stride_dt_t + head * stride_dt_h, mask=mask_t, other=0.0)
+        dt = dt.to(tl.float32)
+        if HAS_DT_BIAS:
+            dt += dt_bias
+        if DT_SOFTPLUS:
+            dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
+        if CLAMP_DT:
+            dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        # Tokens past the end: no decay and no input, so they leave the state alone.
+        dt = tl.where(mask_t, dt, 0.0)
+        dA = dt * A
+        cum = tl.cumsum(dA, 0)
+        total = tl.sum(dA, 0)
+
+        x = tl.load(
+            x_ptr + t[:, None] * stride_x_t + head * stride_x_h + offs_p[None, :] * stride_x_p,
+            mask=mask_tp, other=0.0,
+        )  # fmt: skip
+        b = tl.load(
+            B_ptr + t[:, None] * stride_b_t + group * stride_b_g + offs_n[None, :] * stride_b_n,
+            mask=mask_tn, other=0.0,
+        )  # fmt: skip
+        c = tl.load(
+            C_ptr + t[:, None] * stride_c_t + group * stride_c_g + offs_n[None, :] * stride_c_n,
+            mask=mask_tn, other=0.0,
+        )  # fmt: skip
+
+        # Intra-chunk: y_i += sum_{j<=i} (C_i.B_j) exp(cum_i - cum_j) dt_j x_j.
+        cb = tl.dot(c.to(DOT_DTYPE), tl.trans(b.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+        # -inf above the diagonal before exp: cum_i - cum_j > 0 there and may overflow.
+        seg = tl.where(causal, cum[:, None] - cum[None, :], -float("inf"))
+        weights = cb * tl.exp(seg) * dt[None, :]
+        y = tl.dot(weights.to(DOT_DTYPE), x.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        # Incoming state: y_i += exp(cum_i) C_i . S. The state stays float32 (tf32 on GPU
+        # for 16-bit inputs) so long sequences do not accumulate 16-bit rounding.
+        y_state = tl.dot(
+            c.to(tl.float32), tl.trans(state), input_precision=STATE_PRECISION
+        )  # fmt: skip
+        y += y_state * tl.exp(cum)[:, None]
+        x_f = x.to(tl.float32)
+        if HAS_D:
+            y += D * x_f
+        if HAS_Z:
+            z = tl.load(
+                z_ptr + t[:, None] * stride_z_t + head * stride_z_h + offs_p[None, :] * stride_z_p,
+                mask=mask_tp, other=0.0,
+            ).to(tl.float32)  # fmt: skip
+            y *= z / (1.0 + tl.exp(-z))
+        tl.store(
+            y_ptr + t[:, None] * stride_y_t + head * stride_y_h + offs_p[None, :] * stride_y_p,
+            y.to(y_ptr.dtype.element_ty), mask=mask_tp,
+        )  # fmt: skip
+
+        # State: S = exp(total) S + sum_j exp(total - cum_j) dt_j outer(x_j, B_j).
+        x_scaled = x_f * (tl.exp(total - cum) * dt)[:, None]
+        state = state * tl.exp(total) + tl.dot(
+            tl.trans(x_scaled), b.to(tl.float32), input_precision=STATE_PRECISION
+        )  # fmt: skip
+
+    tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask_pn)
+
+
+def _dot_config(dtype: torch.dtype) -> tuple[Any, str, str]:
+    """(dtype of intra-chunk dot operands, its precision, precision of state dots)."""
+    if dtype == torch.float32 or interpret_mode():
+        # The interpreter mis-computes 16-bit tl.dot; float32 there is also more exact.
+        return tl.float32, "ieee", "ieee"
+    return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), "tf32", "tf32"
+
+
+def ssd_scan_varlen_triton(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    *,
+    cu_seqlens: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    z: torch.Tensor | None = None,
+    chunk_size: int = 256,
+) -> torch.Tensor:
+    """Triton twin of `ssd_scan_varlen_ref` (same arguments, shapes and result).
+
+    The kernel blocks by min(chunk_size, 64) tokens rounded down to a power of two
+    (at least 16, for tensor-core dots); blocking only affects rounding. cu_seqlens,
+    state_slots and has_initial_state values are not validated (no host sync): slots
+    must be valid and distinct.
+    """
+    T, H, P, G, N = _check_ssd_args(
+        x, dt, A, B, C, D, cu_seqlens, ssm_state, state_slots, has_initial_state, dt_bias, z,
+        chunk_size,
+    )  # fmt: skip
+    S = state_slots.shape[0]
+    check_shape("cu_seqlens", cu_seqlens, [S + 1])
+    check_shape("has_initial_state", has_initial_state, [S])
+    y = torch.empty_like(x)
+    if S == 0:
+        return y
+    chunk = max(16, min(64, prev_pow2(chunk_size)))
+    block_n = next_pow2(N)
+    block_p = min(64, max(16, next_pow2(P)))
+    # Few (sequence, head) pairs leave SMs idle: split P to get more programs.
+    if x.is_cuda and S * H * triton.cdiv(P, block_p) < 2 * num_sms(x.device) and block_p > 16:
+        block_p //= 2
+    dot_dtype, dot_precision, state_precision = _dot_config(x.dtype)
+    lo, hi = dt_limit
+    z_strides = z.stride() if z is not None else (0, 0, 0)
+    grid = (S, H, triton.cdiv(P, block_p))
+    _ssd_scan_kernel[grid](
+        x, dt, A, B, C, D, z, dt_bias, y, ssm_state,
+        cu_seqlens, state_slots, has_initial_state.to(torch.int8),
+        H // G, P, N, float(lo), float(hi),
+        *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *z_strides, *y.stride(),
+        *ssm_state.stride(),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None,
+        DT_SOFTPLUS=dt_softplus, CLAMP_DT=lo > 0.0 or hi < math.inf,
+        CHUNK=chunk, BLOCK_P=block_p, BLOCK_N=block_n,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, STATE_PRECISION=state_precision,
+        num_warps=8 if block_p * block_n >= 8192 else 4, num_stages=2,
+    )  # fmt: skip
+    return y

@@ -64,9 +64,21 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 # stay open for load balancers and scrapers.
 _PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 _SAMPLING_PARAM_NAMES = {
-    "n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-    "stop", "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "logprobs", "prompt_logprobs",
+    "n",
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "prompt_logprobs",
 }
 
 
@@ -108,13 +120,21 @@ def _bad_request(message: str, param: str | None = None) -> APIError:
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
+    """One readable sentence per offending field; `param` is the first top-level field."""
+    by_field: dict[str, list[dict[str, Any]]] = {}
     for err in exc.errors():
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if param is None and loc:
-            param = next((x for x in reversed(loc) if not x.isdigit()), loc[-1])
-        where = ".".join(loc)
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        by_field.setdefault(loc[0] if loc else "", []).append({**err, "loc": loc})
+    parts = []
+    for field, errors in by_field.items():
+        if len(errors) > 1 and all(len(e["loc"]) > 1 for e in errors):
+            # A union: pydantic reports one failure per accepted form.
+            forms = ", ".join(dict.fromkeys(e["loc"][1] for e in errors))
+            parts.append(f"{field}: does not match any accepted form ({forms})")
+        else:
+            where = ".".join(errors[0]["loc"])
+            parts.append(f"{where}: {errors[0]['msg']}" if where else str(errors[0]["msg"]))
+    param = next((f for f in by_field if f), None)
     return "; ".join(parts) or "invalid request body", param
 
 
@@ -132,7 +152,9 @@ class _ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
-                message = "Incorrect or missing API key; send the header `Authorization: Bearer <key>`"
+                message = (
+                    "incorrect or missing API key; send the header `Authorization: Bearer <key>`"
+                )
                 body = _error_body(message, code="invalid_api_key")
                 await _send_json(send, 401, body)
                 return
@@ -237,8 +259,13 @@ def _sampling_params(
         include_stop_str_in_output=req.include_stop_str_in_output,
     )
     for name in (
-        "temperature", "top_p", "top_k", "min_p",
-        "presence_penalty", "frequency_penalty", "repetition_penalty",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
     ):
         value = getattr(req, name)
         if value is not None:
@@ -247,7 +274,8 @@ def _sampling_params(
         return SamplingParams(**kwargs)
     except ValueError as exc:
         first_word = str(exc).split(" ", 1)[0]
-        raise _bad_request(str(exc), first_word if first_word in _SAMPLING_PARAM_NAMES else None)
+        param = first_word if first_word in _SAMPLING_PARAM_NAMES else None
+        raise _bad_request(str(exc), param) from exc
 
 
 def _token_text(token_id: int, entry: Any, tokenizer: Any) -> str:
@@ -269,7 +297,7 @@ def _legacy_logprobs(
     into: CompletionLogprobs,
 ) -> int:
     """Append the completions-API logprobs of `token_ids` to `into`; return the next offset."""
-    for token_id, entry in zip(token_ids, positions):
+    for token_id, entry in zip(token_ids, positions, strict=False):
         if entry is None:  # the first prompt token has no logprob
             text = tokenizer.decode([token_id])
             into.token_logprobs.append(None)
@@ -291,12 +319,15 @@ def _chat_logprobs(
     token_ids: Sequence[int], positions: Sequence[PositionLogprobs], top_n: int, tokenizer: Any
 ) -> ChatLogprobs:
     content = []
-    for token_id, entry in zip(token_ids, positions):
+    for token_id, entry in zip(token_ids, positions, strict=False):
         chosen = entry.get(token_id)
         text = _token_text(token_id, chosen, tokenizer)
         tops = [
-            TopLogprob(token=(t := _token_text(tid, lp, tokenizer)), logprob=lp.logprob,
-                       bytes=list(t.encode()))
+            TopLogprob(
+                token=(t := _token_text(tid, lp, tokenizer)),
+                logprob=lp.logprob,
+                bytes=list(t.encode()),
+            )
             for tid, lp in _top(entry, top_n)
         ]
         content.append(
@@ -555,7 +586,8 @@ def build_app(
                 **(template_kwargs or {}),
             )
         except Exception as exc:  # noqa: BLE001 - template errors describe bad messages
-            raise _bad_request(f"the chat template rejected the messages: {exc}", "messages")
+            message = f"the chat template rejected the messages: {exc}"
+            raise _bad_request(message, "messages") from exc
         # The template already holds any BOS the model wants.
         return tokenizer(text, add_special_tokens=False).input_ids
 
@@ -572,13 +604,12 @@ def build_app(
             if isinstance(exc, ValueError):
                 raise _bad_request(str(exc), "prompt") from exc
             if isinstance(exc, Exception) and not isinstance(exc, (EngineDeadError, APIError)):
-                raise _server_error(f"could not add the request: {type(exc).__name__}: {exc}")
+                message = f"could not add the request: {type(exc).__name__}: {exc}"
+                raise _server_error(message) from exc
             raise
         return streams
 
-    async def collect(
-        streams: list[RequestStream], timing: _Timing
-    ) -> list[RequestOutput | None]:
+    async def collect(streams: list[RequestStream], timing: _Timing) -> list[RequestOutput | None]:
         finals: list[RequestOutput | None] = [None] * len(streams)
         async for index, output in _merge(streams):
             timing.observe(index, output)
@@ -604,11 +635,8 @@ def build_app(
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        cards = [
-            ModelCard(id=name, root=async_engine.model_name, max_model_len=async_engine.max_model_len)
-            for name in names
-        ]
-        return ModelList(data=cards)
+        root, limit = async_engine.model_name, async_engine.max_model_len
+        return ModelList(data=[ModelCard(id=n, root=root, max_model_len=limit) for n in names])
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
@@ -619,7 +647,8 @@ def build_app(
             ids = render_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
         else:
             ids = tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
-        return TokenizeResponse(count=len(ids), max_model_len=async_engine.max_model_len, tokens=ids)
+        limit = async_engine.max_model_len
+        return TokenizeResponse(count=len(ids), max_model_len=limit, tokens=ids)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
@@ -651,8 +680,10 @@ def build_app(
         def prompt_text(index: int, output: RequestOutput) -> str:
             if isinstance(prompts[index], str):
                 return prompts[index]
-            return output.prompt if output.prompt is not None else tokenizer.decode(
-                output.prompt_token_ids
+            return (
+                output.prompt
+                if output.prompt is not None
+                else tokenizer.decode(output.prompt_token_ids)
             )
 
         def choice_payload(
@@ -669,16 +700,24 @@ def build_app(
                 logprobs = CompletionLogprobs()
                 if echo and output.prompt_logprobs is not None:
                     offset = _legacy_logprobs(
-                        output.prompt_token_ids, output.prompt_logprobs, req.logprobs,
-                        tokenizer, 0, logprobs,
+                        output.prompt_token_ids,
+                        output.prompt_logprobs,
+                        req.logprobs,
+                        tokenizer,
+                        0,
+                        logprobs,
                     )
                 elif echo:
                     offset = len(prefix)
                 else:
                     offset = start_char
                 _legacy_logprobs(
-                    out.token_ids[start_token:], (out.logprobs or [])[start_token:],
-                    req.logprobs, tokenizer, offset, logprobs,
+                    out.token_ids[start_token:],
+                    (out.logprobs or [])[start_token:],
+                    req.logprobs,
+                    tokenizer,
+                    offset,
+                    logprobs,
                 )
             return text, logprobs
 
@@ -715,17 +754,27 @@ def build_app(
                             if out.finish_reason is not None:
                                 done.add(choice)
                             chunk = CompletionResponse(
-                                id=request_id, created=created, model=model_name,
-                                choices=[CompletionChoice(
-                                    index=choice, text=text, logprobs=logprobs,
-                                    finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                                )],
+                                id=request_id,
+                                created=created,
+                                model=model_name,
+                                choices=[
+                                    CompletionChoice(
+                                        index=choice,
+                                        text=text,
+                                        logprobs=logprobs,
+                                        finish_reason=out.finish_reason,
+                                        stop_reason=out.stop_reason,
+                                    )
+                                ],
                             )
                             yield _sse(chunk, exclude)
                     if include_usage:
                         usage = _usage(sum(prompt_tokens), sum(sent_tokens.values()))
                         chunk = CompletionResponse(
-                            id=request_id, created=created, model=model_name, choices=[],
+                            id=request_id,
+                            created=created,
+                            model=model_name,
+                            choices=[],
                             usage=usage,
                         )
                         yield _sse(chunk)
@@ -751,12 +800,20 @@ def build_app(
             for out in output.outputs:
                 completion_tokens += len(out.token_ids)
                 text, logprobs = choice_payload(index, output, out, 0, 0)
-                choices.append(CompletionChoice(
-                    index=index * req.n + out.index, text=text, logprobs=logprobs,
-                    finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                ))
+                choices.append(
+                    CompletionChoice(
+                        index=index * req.n + out.index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=out.finish_reason,
+                        stop_reason=out.stop_reason,
+                    )
+                )
         return CompletionResponse(
-            id=request_id, created=created, model=model_name, choices=choices,
+            id=request_id,
+            created=created,
+            model=model_name,
+            choices=choices,
             usage=_usage(prompt_tokens, completion_tokens),
         )
 
@@ -766,8 +823,9 @@ def build_app(
         if req.tools:
             raise _bad_request("tools are not supported", "tools")
         if req.response_format and req.response_format.get("type", "text") != "text":
-            raise _bad_request("only response_format {\"type\": \"text\"} is supported",
-                               "response_format")
+            raise _bad_request(
+                'only response_format {"type": "text"} is supported', "response_format"
+            )
         if req.top_logprobs is not None and not req.logprobs:
             raise _bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         prompt_ids = render_chat(
@@ -812,9 +870,11 @@ def build_app(
                 done: set[int] = set()
                 try:
                     for i in range(req.n):
-                        yield chunk(ChatChunkChoice(
-                            index=i, delta=DeltaMessage(role="assistant", content="")
-                        ))
+                        yield chunk(
+                            ChatChunkChoice(
+                                index=i, delta=DeltaMessage(role="assistant", content="")
+                            )
+                        )
                     async for _, output in _merge(streams):
                         timing.observe(0, output)
                         for out in output.outputs:
@@ -828,19 +888,26 @@ def build_app(
                             sent_tokens[out.index] = len(out.token_ids)
                             if out.finish_reason is not None:
                                 done.add(out.index)
-                            yield chunk(ChatChunkChoice(
-                                index=out.index,
-                                delta=DeltaMessage(content=out.text[start_char:]),
-                                logprobs=logprobs_of(out, start_token),
-                                finish_reason=out.finish_reason,
-                                stop_reason=out.stop_reason,
-                            ))
+                            yield chunk(
+                                ChatChunkChoice(
+                                    index=out.index,
+                                    delta=DeltaMessage(content=out.text[start_char:]),
+                                    logprobs=logprobs_of(out, start_token),
+                                    finish_reason=out.finish_reason,
+                                    stop_reason=out.stop_reason,
+                                )
+                            )
                     if include_usage:
                         usage = _usage(len(prompt_ids), sum(sent_tokens.values()))
-                        yield _sse(ChatCompletionChunk(
-                            id=request_id, created=created, model=model_name, choices=[],
-                            usage=usage,
-                        ))
+                        yield _sse(
+                            ChatCompletionChunk(
+                                id=request_id,
+                                created=created,
+                                model=model_name,
+                                choices=[],
+                                usage=usage,
+                            )
+                        )
                 except Exception as exc:  # noqa: BLE001 - reported in the stream
                     logger.warning("chat stream %s failed: %s", request_id, exc)
                     yield _sse_error(exc)
@@ -870,7 +937,10 @@ def build_app(
         ]
         completion_tokens = sum(len(out.token_ids) for out in output.outputs)
         return ChatCompletionResponse(
-            id=request_id, created=created, model=model_name, choices=choices,
+            id=request_id,
+            created=created,
+            model=model_name,
+            choices=choices,
             usage=_usage(len(output.prompt_token_ids), completion_tokens),
         )
 

@@ -29,27 +29,52 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="checkpoint folder or cached hub id (default: the bundled model)")
-    parser.add_argument("--model", default=None,
-                        help="same as the positional MODEL (vLLM accepts both)")
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="checkpoint folder or cached hub id (default: the bundled model)",
+    )
+    parser.add_argument(
+        "--model", default=None, help="same as the positional MODEL (vLLM accepts both)"
+    )
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1; 0.0.0.0 for all interfaces)")
+    g.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; 0.0.0.0 for all interfaces)",
+    )
     g.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
-    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and "
-                   f"/detokenize (default: ${API_KEY_ENV}, or no key)")
-    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="name(s) clients use in `model`; the first is reported "
-                   "(default: MODEL as given)")
-    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help="larger request bodies get 413 (default 16 MiB)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let in-flight requests finish before they "
-                   "are aborted (default 30)")
-    g.add_argument("--log-level", default="info",
-                   choices=("critical", "error", "warning", "info", "debug"))
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and "
+        f"/detokenize (default: ${API_KEY_ENV}, or no key)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="name(s) clients use in `model`; the first is reported (default: MODEL as given)",
+    )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies get 413 (default 16 MiB)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let in-flight requests finish before they "
+        "are aborted (default 30)",
+    )
+    g.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
     add_engine_args(parser)
     return parser
 
@@ -66,8 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     if args.model_tag and args.model and args.model_tag != args.model:
         raise SystemExit(
-            f"two different models given ({args.model_tag!r} and --model {args.model!r}); "
-            "pass one"
+            f"two different models given ({args.model_tag!r} and --model {args.model!r}); pass one"
         )
     model = args.model_tag or args.model
     config = EngineConfig.from_args(args, model=model)
@@ -76,8 +100,13 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(
         async_engine, names, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes
     )
-    logger.info("serving %s as %s on http://%s:%d", model or "the bundled model",
-                ", ".join(names), args.host, args.port)
+    logger.info(
+        "serving %s as %s on http://%s:%d",
+        model or "the bundled model",
+        ", ".join(names),
+        args.host,
+        args.port,
+    )
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -1,0 +1,459 @@
+"""LLMEngine: add requests, step, abort. The loop every front end (LLM, server) drives."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ssmserve.cache import BlockPool, StatePool, plan_cache
+from ssmserve.config import (
+    DEFAULT_MODEL_NAME,
+    EngineConfig,
+    ModelConfig,
+    resolve_model_path,
+    resolve_torch_dtype,
+)
+from ssmserve.engine.detokenizer import IncrementalDetokenizer, find_stop
+from ssmserve.engine.model_runner import ModelRunner
+from ssmserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
+from ssmserve.kernels import get_ops
+from ssmserve.loader import load_weights
+from ssmserve.models.registry import model_class
+from ssmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ssmserve.sampling_params import SamplingParams
+from ssmserve.scheduler import Request, RequestStatus, Scheduler, ScheduledChunk
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict[str, Any]
+DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot take; the message says what to change."""
+
+
+@dataclass
+class _Sample:
+    """One of a request's n samples: a scheduler Request plus its output-side state."""
+
+    index: int
+    request: Request
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    text_end: int | None = None  # where a stop string cut the text
+
+
+@dataclass
+class _Group:
+    """A user request: prompt, params, and its n samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[_Sample] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for but no CUDA GPU is visible; use --device cpu")
+    return dev
+
+
+class LLMEngine:
+    """Owns the model, caches, scheduler and sampler. Not thread-safe: drive it from one
+    thread (the async server engine runs it in its own thread)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_hf(path, config.max_model_len)
+        self.model_name = config.model or DEFAULT_MODEL_NAME
+        self.device = _resolve_device(config.device)
+        dtype_name = resolve_torch_dtype(config.dtype, self.device.type,
+                                         self.model_config.hf_config)
+        self.dtype = getattr(torch, dtype_name)
+        if self.dtype == torch.bfloat16 and self.device.type == "cuda" and not (
+            torch.cuda.is_bf16_supported()
+        ):
+            raise RuntimeError("this GPU has no bfloat16 support; pass --dtype float16")
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
+        self.model = self._build_model(path)
+        self._setup_caches()
+        self.runner = ModelRunner(self.model, self.device, config.block_size)
+        self.sampler = Sampler()
+        self._groups: dict[str, _Group] = {}
+        self._owner: dict[str, tuple[_Group, _Sample]] = {}
+        self._arrival = itertools.count()
+        self._generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # -- construction ---------------------------------------------------------------
+
+    def _build_model(self, path: str):
+        cls = model_class(self.model_config.architecture)
+        ops = get_ops(self.config.kernel_backend, self.device)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = cls(self.model_config.hf_config, ops)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        load_weights(model, path)
+        return model.eval()
+
+    def _setup_caches(self) -> None:
+        cfg = self.config
+        state_dtype = (self.dtype if cfg.mamba_ssm_cache_dtype == "auto"
+                       else getattr(torch, cfg.mamba_ssm_cache_dtype))
+        per_block = self.model.cache_bytes_per_block(cfg.block_size, self.dtype)
+        per_slot = self.model.cache_bytes_per_slot(self.dtype, state_dtype)
+        self.max_num_batched_tokens = cfg.max_num_batched_tokens or (
+            8192 if self.device.type == "cuda" else 2048
+        )
+        budget = self._cache_budget(per_block, per_slot)
+        plan = plan_cache(
+            budget_bytes=budget,
+            bytes_per_block=per_block,
+            bytes_per_slot=per_slot,
+            block_size=cfg.block_size,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=self.model_config.max_model_len,
+            num_kv_blocks=cfg.num_kv_blocks,
+        )
+        self.cache_plan = plan
+        self.model.allocate_caches(
+            num_kv_blocks=plan.num_kv_blocks, block_size=cfg.block_size,
+            num_state_slots=plan.num_state_slots, dtype=self.dtype, state_dtype=state_dtype,
+            device=self.device,
+        )
+        self.block_pool = BlockPool(plan.num_kv_blocks, cfg.block_size) if per_block else None
+        self.state_pool = StatePool(plan.num_state_slots) if per_slot else None
+        self.scheduler = Scheduler(
+            max_num_seqs=plan.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_tokens_per_request=plan.max_tokens_per_request,
+            block_pool=self.block_pool,
+            state_pool=self.state_pool,
+        )
+        logger.info(
+            "cache: %d KV blocks of %d tokens, %d state slots (%s state), %d max seqs",
+            plan.num_kv_blocks, cfg.block_size, plan.num_state_slots, state_dtype,
+            plan.max_num_seqs,
+        )
+
+    def _cache_budget(self, per_block: int, per_slot: int) -> int:
+        """Bytes for KV blocks and state slots. On CUDA: what gpu_memory_utilization leaves
+        after the weights and the measured activation peak of a full-budget forward."""
+        if self.config.cache_memory is not None:
+            return self.config.cache_memory
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_CACHE_BYTES
+        from ssmserve.engine.memory import profile_activation_peak
+
+        peak = profile_activation_peak(self.model, self.device, self.max_num_batched_tokens,
+                                       self.config.block_size, self.dtype)
+        _, total = torch.cuda.mem_get_info(self.device)
+        in_use = torch.cuda.memory_allocated(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - in_use - peak
+        logger.info("GPU memory: %.1f GiB total, %.2f GiB weights, %.2f GiB activation peak, "
+                    "%.2f GiB for caches", total / 2**30, in_use / 2**30, peak / 2**30,
+                    budget / 2**30)
+        if budget <= 0:
+            raise RuntimeError(
+                "no GPU memory left for the caches after the weights and activations; raise "
+                "--gpu-memory-utilization or lower --max-num-batched-tokens"
+            )
+        return budget
+
+    # -- requests ---------------------------------------------------------------------
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                ):
+                    raise InvalidRequestError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], self.tokenizer(prompt["prompt"]).input_ids
+        raise InvalidRequestError(
+            "a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}; got "
+            f"{type(prompt).__name__}"
+        )
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        """Queue a request. Raises InvalidRequestError (and keeps nothing) if it can't run."""
+        if request_id in self._groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty; give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
+        limit = self.scheduler.max_tokens_per_request
+        if len(ids) >= limit:
+            what = (f"max_model_len is {self.model_config.max_model_len}"
+                    if limit == self.model_config.max_model_len
+                    else f"the KV cache holds at most {limit} tokens per request")
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens but {what}, and at least one token must be "
+                "generated; shorten the prompt or raise --max-model-len"
+            )
+        params = dataclasses.replace(
+            params,
+            eos_token_ids=() if params.ignore_eos else self.model_config.eos_token_ids,
+        )
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
+        group = _Group(request_id, text, ids, params)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+        for i in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(self.device).manual_seed(params.seed + i)
+            request = Request(
+                request_id if params.n == 1 else f"{request_id}#{i}",
+                ids,
+                max_tokens=max_tokens,
+                min_tokens=params.min_tokens,
+                eos_token_ids=params.eos_token_ids,
+                stop_token_ids=tuple(params.stop_token_ids),
+                arrival_index=next(self._arrival),
+            )
+            sample = _Sample(
+                index=i,
+                request=request,
+                generator=generator or self._generator,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, ids,
+                                                   params.skip_special_tokens),
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            group.samples.append(sample)
+        for sample in group.samples:
+            self.scheduler.add_request(sample.request)
+            self._owner[sample.request.request_id] = (group, sample)
+        self._groups[request_id] = group
+        self.prompt_tokens_total += len(ids)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop requests wherever they are; their blocks and slots are free at once."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            group = self._groups.pop(rid, None)
+            if group is None:
+                continue
+            for sample in group.samples:
+                self._owner.pop(sample.request.request_id, None)
+                if sample.finish_reason is None:
+                    self.scheduler.abort_request(sample.request.request_id)
+                    sample.finish_reason = "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "kv_blocks_used": self.block_pool.num_used if self.block_pool else 0,
+            "kv_blocks_total": self.block_pool.num_blocks if self.block_pool else 0,
+            "state_slots_used": self.state_pool.num_used if self.state_pool else 0,
+            "state_slots_total": self.state_pool.num_slots if self.state_pool else 0,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+        }
+
+    # -- the step ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and report requests that advanced."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        now = time.time()
+        chunks = self.runner.order_chunks(plan.chunks)
+        rows: list[int] = []
+        sample_chunks: list[tuple[ScheduledChunk, int]] = []
+        prompt_spans: list[tuple[_Group, int, int, int]] = []  # group, first pos, count, row
+        offset = 0
+        for chunk in chunks:
+            group, sample = self._owner[chunk.request.request_id]
+            if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+            pl = group.prompt_logprobs
+            if pl is not None and sample.index == 0:
+                first = max(chunk.start, len(pl) - 1)
+                last = min(chunk.end, len(group.prompt_token_ids) - 1)
+                if last > first:
+                    prompt_spans.append((group, first, last - first, len(rows)))
+                    rows.extend(offset + p - chunk.start for p in range(first, last))
+            if chunk.completes_prompt:
+                sample_chunks.append((chunk, len(rows)))
+                rows.append(offset + chunk.num_new_tokens - 1)
+            offset += chunk.num_new_tokens
+        batch = self.runner.prepare(chunks, rows)
+        logits = self.runner.execute(batch)
+
+        sampled: dict[str, int] = {}
+        sampler_out = None
+        if sample_chunks:
+            sample_rows = []
+            for chunk, _ in sample_chunks:
+                _, sample = self._owner[chunk.request.request_id]
+                group = self._owner[chunk.request.request_id][0]
+                sample_rows.append(SamplingRow(group.params, sample.generator,
+                                               group.prompt_token_ids,
+                                               chunk.request.output_token_ids))
+            index = torch.tensor([r for _, r in sample_chunks], device=logits.device)
+            sampler_out = self.sampler(logits[index], sample_rows)
+            for i, (chunk, _) in enumerate(sample_chunks):
+                sampled[chunk.request.request_id] = sampler_out.token_ids[i]
+        if prompt_spans:
+            self._record_prompt_logprobs(logits, prompt_spans)
+
+        advanced = self.scheduler.update(plan, sampled)
+        touched: dict[str, _Group] = {}
+        positions = {c.request.request_id: i for i, (c, _) in enumerate(sample_chunks)}
+        for request in advanced:
+            group, sample = self._owner[request.request_id]
+            self._on_token(group, sample, sampler_out, positions[request.request_id], now)
+            touched[group.request_id] = group
+        for group, *_ in prompt_spans:
+            touched.setdefault(group.request_id, group)
+        outputs = []
+        for group in touched.values():
+            if group.request_id not in self._groups:
+                continue
+            outputs.append(self._make_output(group))
+            if group.finished:
+                self._release_group(group)
+        return outputs
+
+    def _on_token(self, group: _Group, sample: _Sample, out: SamplerOutput, i: int,
+                  now: float) -> None:
+        request = sample.request
+        token = request.output_token_ids[-1]
+        self.generation_tokens_total += 1
+        if group.metrics.first_token_time is None:
+            group.metrics.first_token_time = now
+        group.metrics.last_token_time = now
+        lp = float(out.logprobs[i])
+        sample.cumulative_logprob += lp
+        if sample.logprobs is not None:
+            entry = {token: Logprob(lp, int(out.ranks[i]), self._decode_one(token))}
+            k = group.params.logprobs or 0
+            if k and out.top_ids is not None:
+                for rank, (tid, tlp) in enumerate(
+                    zip(out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()), 1
+                ):
+                    entry.setdefault(tid, Logprob(tlp, rank, self._decode_one(tid)))
+            sample.logprobs.append(entry)
+        delta = sample.detokenizer.add(token)
+        stops = group.params.stop
+        if stops and not request.is_finished and delta:
+            hit = find_stop(sample.detokenizer.text, len(delta), stops)
+            if hit is not None:
+                idx, stop = hit
+                sample.text_end = idx + len(stop) if group.params.include_stop_str_in_output \
+                    else idx
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop)
+        if request.is_finished:
+            sample.finish_reason = request.status.value
+            if group.finished:
+                group.metrics.finished_time = now
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor,
+                                spans: list[tuple[_Group, int, int, int]]) -> None:
+        for group, first, count, row in spans:
+            lps = logits[row:row + count].log_softmax(-1)
+            targets = torch.tensor(group.prompt_token_ids[first + 1:first + 1 + count],
+                                   device=lps.device)
+            chosen = lps.gather(1, targets[:, None]).squeeze(1)
+            ranks = (lps > chosen[:, None]).sum(-1) + 1
+            k = group.params.prompt_logprobs or 0
+            top = lps.topk(k, dim=-1) if k else None
+            for j in range(count):
+                tid = int(targets[j])
+                entry = {tid: Logprob(float(chosen[j]), int(ranks[j]), self._decode_one(tid))}
+                if top is not None:
+                    for rank, (t, v) in enumerate(zip(top.indices[j].tolist(),
+                                                      top.values[j].tolist()), 1):
+                        entry.setdefault(t, Logprob(v, rank, self._decode_one(t)))
+                group.prompt_logprobs.append(entry)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _visible_text(self, group: _Group, sample: _Sample) -> str:
+        text = sample.detokenizer.text
+        if sample.text_end is not None:
+            return text[:sample.text_end]
+        if sample.finish_reason is None and group.params.stop:
+            # Hold back what could still turn out to be the start of a stop string.
+            hold = max(len(s) for s in group.params.stop) - 1
+            return text[:len(text) - hold] if hold else text
+        return text
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=s.index,
+                text=self._visible_text(group, s),
+                token_ids=list(s.request.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+                stop_reason=s.request.stop_reason,
+            )
+            for s in group.samples
+        ]
+        prompt_done = group.prompt_logprobs is None or len(group.prompt_logprobs) >= len(
+            group.prompt_token_ids
+        )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            prompt_logprobs=group.prompt_logprobs if prompt_done else None,
+            outputs=outputs,
+            finished=group.finished,
+            metrics=group.metrics,
+        )
+
+    def _release_group(self, group: _Group) -> None:
+        self._groups.pop(group.request_id, None)
+        for sample in group.samples:
+            self._owner.pop(sample.request.request_id, None)

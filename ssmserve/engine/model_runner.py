@@ -1,0 +1,74 @@
+"""ModelRunner: StepPlan -> one flat variable-length ForwardBatch -> hidden states, logits."""
+
+from __future__ import annotations
+
+import torch
+
+from ssmserve.layers.batch import ForwardBatch
+from ssmserve.models.base import CausalLM
+from ssmserve.scheduler.plan import ScheduledChunk
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, device: torch.device, block_size: int) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+
+    @staticmethod
+    def order_chunks(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """Decodes (one new token, state to resume from) first, then everything else."""
+        decodes = [c for c in chunks if c.num_new_tokens == 1 and c.start > 0]
+        rest = [c for c in chunks if not (c.num_new_tokens == 1 and c.start > 0)]
+        return decodes + rest
+
+    def prepare(self, chunks: list[ScheduledChunk], logits_rows: list[int]) -> ForwardBatch:
+        """`chunks` must already be in `order_chunks` order."""
+        bs = self.block_size
+        input_ids, positions, slot_mapping, qsl = [], [], [], [0]
+        seq_lens, state_slots, has_init, tables = [], [], [], []
+        num_decodes = 0
+        for chunk in chunks:
+            req = chunk.request
+            if chunk.num_new_tokens == 1 and chunk.start > 0:
+                num_decodes += 1
+            pos = range(chunk.start, chunk.end)
+            input_ids.extend(req.all_token_ids[chunk.start:chunk.end])
+            positions.extend(pos)
+            if req.block_ids:
+                slot_mapping.extend(req.block_ids[p // bs] * bs + p % bs for p in pos)
+            else:
+                slot_mapping.extend(-1 for _ in pos)
+            qsl.append(qsl[-1] + chunk.num_new_tokens)
+            seq_lens.append(chunk.end)
+            state_slots.append(req.state_slot if req.state_slot is not None else -1)
+            has_init.append(chunk.start > 0)
+            tables.append(req.block_ids)
+        width = max((len(t) for t in tables), default=0) or 1
+        table = torch.zeros(len(tables), width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            if t:
+                table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        dev = self.device
+        qsl_t = torch.tensor(qsl, dtype=torch.int32)
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long).to(dev),
+            positions=torch.tensor(positions, dtype=torch.long).to(dev),
+            query_start_loc=qsl_t.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
+            state_slots=torch.tensor(state_slots, dtype=torch.long).to(dev),
+            has_initial_state=torch.tensor(has_init, dtype=torch.bool).to(dev),
+            block_tables=table.to(dev),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long).to(dev),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long).to(dev),
+            num_decodes=num_decodes,
+            query_start_loc_p=(qsl_t[num_decodes:] - qsl[num_decodes]).to(dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [K, vocab] (float32) of the rows in batch.logits_indices."""
+        hidden = self.model(batch)
+        if batch.logits_indices.numel() == 0:
+            return hidden.new_zeros(0, self.model.lm_head.weight.shape[0], dtype=torch.float32)
+        return self.model.compute_logits(hidden[batch.logits_indices]).float()

@@ -1,0 +1,50 @@
+"""Rotary position embedding (neox layout: rotate halves), optionally on part of the head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin from `inv_freq` (computed by transformers' own RoPE init for the config)."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.rotary_dim = inv_freq.shape[0] * 2
+        self.attention_scaling = attention_scaling
+
+    @classmethod
+    def from_hf_config(cls, hf_config) -> RotaryEmbedding:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            head_dim = getattr(hf_config, "head_dim", None) or (
+                hf_config.hidden_size // hf_config.num_attention_heads
+            )
+            dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+            base = params.get("rope_theta", 10000.0)
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            return cls(inv_freq)
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+        return cls(inv_freq, scaling)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k [T, KVH, D], positions [T] -> rotated q, k."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(q.dtype)[:, None, :]
+        sin = (emb.sin() * self.attention_scaling).to(q.dtype)[:, None, :]
+        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
+    x_rot, x_pass = x[..., :dim], x[..., dim:]
+    half = dim // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)

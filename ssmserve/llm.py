@@ -1,0 +1,111 @@
+"""LLM: the offline, vLLM-shaped Python API over LLMEngine."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ssmserve.config import EngineConfig
+from ssmserve.engine.engine import LLMEngine, PromptType
+from ssmserve.outputs import RequestOutput
+from ssmserve.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate from a checkpoint in-process.
+
+    >>> llm = LLM()  # the small model bundled with ssmserve
+    >>> out = llm.generate("def fibonacci(n):", SamplingParams(max_tokens=32, temperature=0))
+    >>> print(out[0].outputs[0].text)
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def stats(self) -> dict[str, int]:
+        return self.llm_engine.stats()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
+                    "pass one, or one per prompt"
+                )
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, via the chat template."""
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "this model's tokenizer has no chat template; pass chat_template=... or use "
+                "generate() with a plain prompt"
+            )
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = [str(next(self._ids)) for _ in prompts]
+        added = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except Exception:
+            engine.abort_request(added)  # one bad prompt must not leave the others queued
+            raise
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
+        try:
+            while len(done) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in done])
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]

@@ -1,0 +1,82 @@
+"""Checkpoint weights (safetensors, single file or sharded) -> model parameters, by name."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+from safetensors import safe_open
+
+from ssmserve.models.base import CausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+        if missing:
+            raise FileNotFoundError(
+                f"{path} lists shards that are not there: {', '.join(missing)}; "
+                "re-download the checkpoint"
+            )
+        return [os.path.join(path, s) for s in shards]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(
+        f"no model.safetensors or model.safetensors.index.json in {path}; ssmserve loads "
+        "safetensors checkpoints (convert .bin files with transformers' save_pretrained)"
+    )
+
+
+@torch.no_grad()
+def load_weights(model: CausalLM, path: str) -> None:
+    """Copy every checkpoint tensor into the parameter of the same name.
+
+    Raises with the names when the checkpoint lacks parameters or has tensors the model
+    does not know: a silent partial load would give plausible-looking garbage.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if model.tie_word_embeddings:
+        params.pop("lm_head.weight", None)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if any(name.endswith(k) for k in model.ignored_checkpoint_keys):
+                    continue
+                param = params.get(name)
+                if param is None:
+                    if name == "lm_head.weight" and model.tie_word_embeddings:
+                        continue  # a tied checkpoint may still store the shared matrix
+                    unexpected.append(name)
+                    continue
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"weight {name} has shape {tuple(tensor.shape)} in {file} but the "
+                        f"model built from config.json expects {tuple(param.shape)}"
+                    )
+                param.copy_(tensor)
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {', '.join(missing[:10])}"
+                         + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
+        if unexpected:
+            parts.append(f"not used by the model: {', '.join(sorted(unexpected)[:10])}"
+                         + (f" (+{len(unexpected) - 10} more)" if len(unexpected) > 10 else ""))
+        raise ValueError(
+            f"checkpoint {path} does not match its config.json ({'; '.join(parts)}); "
+            "check that config.json and the weights come from the same model"
+        )
+    model.tie_weights_if_needed()

@@ -1,0 +1,75 @@
+"""BambaForCausalLM: Mamba2 layers with a few attention layers (RoPE on half the head dim),
+each followed by a SwiGLU MLP. The per-layer pattern comes from `attn_layer_indices`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ssmserve.kernels import KernelOps
+from ssmserve.layers.attention import Attention
+from ssmserve.layers.batch import ForwardBatch
+from ssmserve.layers.mamba2_mixer import Mamba2Mixer
+from ssmserve.layers.mlp import GatedMLP
+from ssmserve.layers.norm import RMSNorm
+from ssmserve.layers.rotary import RotaryEmbedding
+from ssmserve.models.base import CausalLM
+
+
+def layer_kinds(cfg) -> list[str]:
+    attn = set(getattr(cfg, "attn_layer_indices", None) or [])
+    return ["attention" if i in attn else "mamba2" for i in range(cfg.num_hidden_layers)]
+
+
+class BambaDecoderLayer(nn.Module):
+    def __init__(self, cfg, kind: str, ops: KernelOps, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if kind == "attention":
+            self.self_attn = Attention(cfg, ops, rotary)
+        else:
+            self.mamba = Mamba2Mixer(
+                hidden_size=cfg.hidden_size,
+                num_heads=cfg.mamba_n_heads,
+                head_dim=cfg.mamba_d_head,
+                state_size=cfg.mamba_d_state,
+                n_groups=cfg.mamba_n_groups,
+                conv_kernel=cfg.mamba_d_conv,
+                chunk_size=cfg.mamba_chunk_size,
+                norm_eps=cfg.rms_norm_eps,
+                ops=ops,
+                time_step_limit=tuple(cfg.time_step_limit),
+                use_bias=cfg.mamba_proj_bias,
+                use_conv_bias=cfg.mamba_conv_bias,
+            )
+        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.feed_forward = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act,
+                                     bias=getattr(cfg, "mlp_bias", False))
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        mixer = self.self_attn if self.kind == "attention" else self.mamba
+        hidden = hidden + mixer(self.input_layernorm(hidden), batch)
+        return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
+
+
+class BambaForCausalLM(CausalLM):
+    def __init__(self, hf_config, ops: KernelOps) -> None:
+        super().__init__(hf_config)
+        rotary = RotaryEmbedding.from_hf_config(hf_config)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.model.layers = nn.ModuleList(
+            BambaDecoderLayer(hf_config, kind, ops, rotary) for kind in layer_kinds(hf_config)
+        )
+        self.model.final_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def final_norm(self) -> nn.Module:
+        return self.model.final_layernorm

@@ -1,0 +1,74 @@
+"""MambaForCausalLM and FalconMambaForCausalLM: Mamba1 blocks, residual kept in float32."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ssmserve.kernels import KernelOps
+from ssmserve.layers.batch import ForwardBatch
+from ssmserve.layers.mamba_mixer import MambaMixer
+from ssmserve.layers.norm import RMSNorm
+from ssmserve.models.base import CausalLM
+
+
+class MambaBlock(nn.Module):
+    def __init__(self, cfg, ops: KernelOps, falcon: bool) -> None:
+        super().__init__()
+        self.residual_in_fp32 = getattr(cfg, "residual_in_fp32", True)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        rank = cfg.time_step_rank
+        if rank == "auto":
+            rank = math.ceil(cfg.hidden_size / 16)
+        self.mixer = MambaMixer(
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            state_size=cfg.state_size,
+            conv_kernel=cfg.conv_kernel,
+            time_step_rank=int(rank),
+            ops=ops,
+            use_bias=cfg.use_bias,
+            use_conv_bias=cfg.use_conv_bias,
+            bcdt_rms_eps=cfg.mixer_rms_eps if falcon else None,
+        )
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # NOTE: HF adds the residual back inside each block (in float32 when
+        # residual_in_fp32) and feeds the sum on, so keep exactly that order of rounding.
+        dtype = self.norm.weight.dtype
+        res = hidden.float() if self.residual_in_fp32 else hidden
+        out = self.mixer(self.norm(hidden.to(dtype)), batch)
+        return res + out
+
+
+class MambaForCausalLM(CausalLM):
+    falcon = False
+
+    def __init__(self, hf_config, ops: KernelOps) -> None:
+        super().__init__(hf_config)
+        self.backbone = nn.Module()
+        self.backbone.embeddings = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.backbone.layers = nn.ModuleList(
+            MambaBlock(hf_config, ops, self.falcon) for _ in range(hf_config.num_hidden_layers)
+        )
+        self.backbone.norm_f = RMSNorm(hf_config.hidden_size, hf_config.layer_norm_epsilon)
+        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+    def input_embeddings(self) -> nn.Embedding:
+        return self.backbone.embeddings
+
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.backbone.layers
+
+    def final_norm(self) -> nn.Module:
+        return self.backbone.norm_f
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden = super().forward(batch)
+        return hidden.to(self.lm_head.weight.dtype)
+
+
+class FalconMambaForCausalLM(MambaForCausalLM):
+    falcon = True
