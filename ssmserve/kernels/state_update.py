@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ssmserve.kernels._common import check_shape, process_dt
+from ssmserve.kernels._common import check_shape, lazy_jit, next_pow2, process_dt, tl, triton
 
 
 def _check_state_update_args(
@@ -100,4 +100,151 @@ def selective_state_update_ref(
         y_v *= F.silu(z[rows].float())
     y = torch.zeros(Bt, H, P, dtype=x.dtype, device=x.device)
     y[rows] = y_v.to(x.dtype)
+    return y
+
+
+# ---------------------------------------------------------------------------- Triton
+
+
+@lazy_jit
+def _state_update_kernel(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr,
+    state_slots_ptr,
+    heads_per_group, P, N, dt_min, dt_max,
+    stride_s_slot, stride_s_h, stride_s_p, stride_s_n,
+    stride_x_b, stride_x_h, stride_x_p,
+    stride_dt_b, stride_dt_h, stride_dt_p,
+    stride_a_h, stride_a_p, stride_a_n,
+    stride_b_b, stride_b_g, stride_b_n,
+    stride_c_b, stride_c_g, stride_c_n,
+    stride_d_h, stride_d_p,
+    stride_z_b, stride_z_h, stride_z_p,
+    stride_bias_h, stride_bias_p,
+    stride_y_b, stride_y_h, stride_y_p,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, CLAMP_DT: tl.constexpr, TIED: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid_p = tl.program_id(0)
+    head = tl.program_id(1)
+    row = tl.program_id(2).to(tl.int64)
+    slot = tl.load(state_slots_ptr + row).to(tl.int64)
+    valid = slot >= 0
+    group = head // heads_per_group
+
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    mask_pn = mask_p[:, None] & mask_n[None, :] & valid
+    state_ptrs = (
+        state_ptr + slot * stride_s_slot + head * stride_s_h
+        + offs_p[:, None] * stride_s_p + offs_n[None, :] * stride_s_n
+    )  # fmt: skip
+    state = tl.load(state_ptrs, mask=mask_pn, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x_b + head * stride_x_h + offs_p * stride_x_p,
+                mask=mask_p, other=0.0).to(tl.float32)  # fmt: skip
+
+    if TIED:
+        # Mamba2: dt, A, D and dt_bias are per head (stride 0 over P and N): load and
+        # transform them once per program instead of once per element.
+        dt = tl.load(dt_ptr + row * stride_dt_b + head * stride_dt_h).to(tl.float32)
+        if HAS_DT_BIAS:
+            dt += tl.load(dt_bias_ptr + head * stride_bias_h).to(tl.float32)
+    else:
+        dt = tl.load(dt_ptr + row * stride_dt_b + head * stride_dt_h + offs_p * stride_dt_p,
+                     mask=mask_p, other=0.0).to(tl.float32)  # fmt: skip
+        if HAS_DT_BIAS:
+            dt += tl.load(dt_bias_ptr + head * stride_bias_h + offs_p * stride_bias_p,
+                          mask=mask_p, other=0.0).to(tl.float32)  # fmt: skip
+    if DT_SOFTPLUS:
+        dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
+    if CLAMP_DT:
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+
+    if TIED:
+        A = tl.load(A_ptr + head * stride_a_h).to(tl.float32)
+        decay = tl.exp(dt * A)
+        dtx = dt * x
+    else:
+        A = tl.load(A_ptr + head * stride_a_h + offs_p[:, None] * stride_a_p
+                    + offs_n[None, :] * stride_a_n,
+                    mask=mask_p[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        decay = tl.exp(dt[:, None] * A)
+        dtx = dt * x
+    b = tl.load(B_ptr + row * stride_b_b + group * stride_b_g + offs_n * stride_b_n,
+                mask=mask_n, other=0.0).to(tl.float32)  # fmt: skip
+    c = tl.load(C_ptr + row * stride_c_b + group * stride_c_g + offs_n * stride_c_n,
+                mask=mask_n, other=0.0).to(tl.float32)  # fmt: skip
+
+    state = state * decay + dtx[:, None] * b[None, :]
+    tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask_pn)
+
+    y = tl.sum(state * c[None, :], axis=1)
+    if HAS_D:
+        if TIED:
+            y += tl.load(D_ptr + head * stride_d_h).to(tl.float32) * x
+        else:
+            y += tl.load(D_ptr + head * stride_d_h + offs_p * stride_d_p,
+                         mask=mask_p, other=0.0).to(tl.float32) * x  # fmt: skip
+    if HAS_Z:
+        z = tl.load(z_ptr + row * stride_z_b + head * stride_z_h + offs_p * stride_z_p,
+                    mask=mask_p, other=0.0).to(tl.float32)  # fmt: skip
+        y *= z / (1.0 + tl.exp(-z))
+    y = tl.where(valid, y, 0.0)
+    tl.store(y_ptr + row * stride_y_b + head * stride_y_h + offs_p * stride_y_p,
+             y.to(y_ptr.dtype.element_ty), mask=mask_p)  # fmt: skip
+
+
+def _tied_over_p(t: torch.Tensor | None, dims: tuple[int, ...]) -> bool:
+    return t is None or all(t.stride(d) == 0 for d in dims)
+
+
+def selective_state_update_triton(
+    ssm_state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    *,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    state_slots: torch.Tensor,
+) -> torch.Tensor:
+    """Triton twin of `selective_state_update_ref` (same arguments, shapes and result).
+
+    When dt, A, D and dt_bias are all stride-0 over P (and A over N), as in Mamba2,
+    the kernel reads them once per head. No host sync: safe under CUDA graphs.
+    """
+    Bt, H, P, G, N = _check_state_update_args(ssm_state, x, dt, A, B, C, D, z, dt_bias, state_slots)
+    y = torch.empty(Bt, H, P, dtype=x.dtype, device=x.device)
+    if Bt == 0:
+        return y
+    tied = (
+        dt.stride(2) == 0 and A.stride(1) == 0 and A.stride(2) == 0
+        and _tied_over_p(D, (1,)) and _tied_over_p(dt_bias, (1,))
+    )  # fmt: skip
+    block_n = next_pow2(N)
+    # ~2k state elements per program: enough bytes in flight per SM at large batch,
+    # and enough programs at batch 1 to cover the SMs.
+    block_p = min(next_pow2(P), max(1, 2048 // block_n))
+    lo, hi = dt_limit
+    zeros3 = (0, 0, 0)
+    grid = (triton.cdiv(P, block_p), H, Bt)
+    _state_update_kernel[grid](
+        ssm_state, x, dt, A, B, C, D, z, dt_bias, y, state_slots,
+        H // G, P, N, float(lo), float(hi),
+        *ssm_state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
+        *(D.stride() if D is not None else (0, 0)),
+        *(z.stride() if z is not None else zeros3),
+        *(dt_bias.stride() if dt_bias is not None else (0, 0)),
+        *y.stride(),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None,
+        DT_SOFTPLUS=dt_softplus, CLAMP_DT=lo > 0.0 or hi < math.inf, TIED=tied,
+        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4,
+    )  # fmt: skip
     return y
