@@ -96,9 +96,13 @@ class FakeEngine:
         )
         slots = sum(len(self.requests[rid]) for rid in running)
         return dict(
-            kv_blocks_used=blocks, kv_blocks_total=1000, state_slots_used=slots,
-            state_slots_total=self.max_num_seqs, num_running=len(running),
-            num_waiting=len(self.order) - len(running), num_preemptions=0,
+            kv_blocks_used=blocks,
+            kv_blocks_total=1000,
+            state_slots_used=slots,
+            state_slots_total=self.max_num_seqs,
+            num_running=len(running),
+            num_waiting=len(self.order) - len(running),
+            num_preemptions=0,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
         )
@@ -141,24 +145,31 @@ class FakeEngine:
                 text = self.tokenizer.decode(seq.token_ids)
                 if any(s in text for s in seq.params.stop):
                     seq.finish_reason = "stop"
-                elif len(seq.token_ids) >= (seq.params.max_tokens or 10**9) or len(
-                    seq.prompt_ids
-                ) + len(seq.token_ids) >= self.model_config.max_model_len:
+                elif (
+                    len(seq.token_ids) >= (seq.params.max_tokens or 10**9)
+                    or len(seq.prompt_ids) + len(seq.token_ids) >= self.model_config.max_model_len
+                ):
                     seq.finish_reason = "length"
             finished = all(s.finish_reason for s in seqs)
             prompt_lps = None
             if seqs[0].params.prompt_logprobs is not None:
+                dec = self.tokenizer.decode
                 prompt_lps = [None] + [
-                    {t: Logprob(-1.0, 1, self.tokenizer.decode([t]))} for t in seqs[0].prompt_ids[1:]
+                    {t: Logprob(-1.0, 1, dec([t]))} for t in seqs[0].prompt_ids[1:]
                 ]
             outs.append(
                 RequestOutput(
-                    request_id=rid, prompt=seqs[0].prompt, prompt_token_ids=seqs[0].prompt_ids,
+                    request_id=rid,
+                    prompt=seqs[0].prompt,
+                    prompt_token_ids=seqs[0].prompt_ids,
                     prompt_logprobs=prompt_lps,
                     outputs=[
                         CompletionOutput(
-                            s.index, self.tokenizer.decode(s.token_ids), list(s.token_ids),
-                            s.cum, list(s.logprobs) if s.params.logprobs is not None else None,
+                            s.index,
+                            self.tokenizer.decode(s.token_ids),
+                            list(s.token_ids),
+                            s.cum,
+                            list(s.logprobs) if s.params.logprobs is not None else None,
                             s.finish_reason,
                         )
                         for s in seqs

@@ -1,0 +1,147 @@
+"""Fixtures: a tiny Bamba checkpoint (attention + Mamba2, so both cache pools are used) and
+real uvicorn servers over it on 127.0.0.1, each in a background thread."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+
+from ssmserve.server.api import build_app
+from ssmserve.server.async_engine import AsyncLLMEngine
+from tests.tiny_models import make_tiny_checkpoint
+
+MODEL_NAME = "tiny-bamba"
+MAX_MODEL_LEN = 512
+API_KEY = "sk-test-key"
+
+
+def engine_kwargs() -> dict:
+    # Enough blocks and slots for 32 concurrent requests without preemption noise.
+    return dict(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=48)
+
+
+def make_engine(checkpoint: str):
+    from ssmserve.config import EngineConfig
+
+    try:
+        from ssmserve.engine.engine import LLMEngine
+    except ImportError:  # TEMPORARY until the engine lands
+        from transformers import AutoTokenizer
+
+        from tests.server.fake_engine import FakeEngine
+
+        tok = AutoTokenizer.from_pretrained(checkpoint)
+        return FakeEngine(tok, max_model_len=MAX_MODEL_LEN, max_num_seqs=48, step_s=0.003)
+
+    return LLMEngine(EngineConfig(model=checkpoint, **engine_kwargs()))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerThread:
+    """A uvicorn server for `app` on a free port of 127.0.0.1, run in a daemon thread."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning",
+            timeout_graceful_shutdown=5,
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def metrics(self) -> dict[str, float]:
+        """The unlabelled samples of /metrics, by name."""
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#") and "{" not in line:
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    def wait_idle(self, timeout: float = 5.0) -> dict[str, float]:
+        """Poll /metrics until nothing runs or waits; return the last scrape."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = (
+                m["ssmserve:num_requests_running"] == 0
+                and m["ssmserve:num_requests_waiting"] == 0
+                and m["ssmserve:kv_blocks_used"] == 0
+                and m["ssmserve:state_slots_used"] == 0
+            )
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> str:
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "bamba"), "bamba", seed=0)
+
+
+@pytest.fixture(scope="session")
+def checkpoint_without_chat_template(checkpoint, tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("ckpt") / "bamba-no-template")
+    shutil.copytree(checkpoint, path)
+    template_file = os.path.join(path, "chat_template.jinja")
+    if os.path.exists(template_file):
+        os.remove(template_file)
+    config_file = os.path.join(path, "tokenizer_config.json")
+    with open(config_file) as f:
+        tokenizer_config = json.load(f)
+    tokenizer_config.pop("chat_template", None)
+    with open(config_file, "w") as f:
+        json.dump(tokenizer_config, f)
+    return path
+
+
+@pytest.fixture(scope="session")
+def engine(checkpoint):
+    """The engine behind the shared server (tests may read its tokenizer, never step it)."""
+    return make_engine(checkpoint)
+
+
+@pytest.fixture(scope="session")
+def server(engine) -> Iterator[ServerThread]:
+    app = build_app(AsyncLLMEngine(engine), MODEL_NAME)
+    with ServerThread(app) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="session")
+def guarded_server(checkpoint_without_chat_template) -> Iterator[ServerThread]:
+    """A server with an API key, a 64 KiB body limit and a model without a chat template."""
+    engine = make_engine(checkpoint_without_chat_template)
+    app = build_app(AsyncLLMEngine(engine), MODEL_NAME, api_key=API_KEY, max_body_bytes=65536)
+    with ServerThread(app) as handle:
+        yield handle

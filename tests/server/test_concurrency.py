@@ -1,0 +1,83 @@
+"""32 concurrent streaming clients all finish, with the offline engine's greedy outputs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+
+from ssmserve.sampling_params import SamplingParams
+from tests.server.conftest import MODEL_NAME, make_engine
+
+NUM_CLIENTS = 32
+SEEDS = [
+    "def fib(n):", "import heapq", "class Node:", "    return", "for i in range(",
+    "x = [", "# compute the", "while True:",
+]
+
+
+def _requests(tokenizer):
+    """(kind, prompt or messages, prompt token ids, max_tokens) per client."""
+    out = []
+    for i in range(NUM_CLIENTS):
+        text = SEEDS[i % len(SEEDS)] + " " * (i // len(SEEDS))
+        max_tokens = 8 + (i * 5) % 17
+        if i % 2:
+            messages = [{"role": "user", "content": text}]
+            rendered = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+            ids = tokenizer(rendered, add_special_tokens=False).input_ids
+            out.append(("chat", messages, ids, max_tokens))
+        else:
+            out.append(("completion", text, tokenizer(text).input_ids, max_tokens))
+    return out
+
+
+def _offline(checkpoint, requests):
+    engine = make_engine(checkpoint)
+    for i, (_, _, ids, max_tokens) in enumerate(requests):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+    texts = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                texts[int(output.request_id)] = output.outputs[0].text
+    return [texts[i] for i in range(len(requests))]
+
+
+def test_32_concurrent_streams_match_offline(server, engine, checkpoint):
+    requests = _requests(engine.tokenizer)
+    expected = _offline(checkpoint, requests)
+    client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+
+    async def one(kind, prompt, max_tokens):
+        common = dict(model=MODEL_NAME, max_tokens=max_tokens, temperature=0, stream=True,
+                      stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        pieces, usage, finish = [], None, None
+        if kind == "chat":
+            stream = await client.chat.completions.create(messages=prompt, **common)
+        else:
+            stream = await client.completions.create(prompt=prompt, **common)
+        async for chunk in stream:
+            for c in chunk.choices:
+                pieces.append((c.delta.content if kind == "chat" else c.text) or "")
+                finish = c.finish_reason or finish
+            usage = chunk.usage or usage
+        return "".join(pieces), finish, usage
+
+    async def main():
+        return await asyncio.gather(
+            *(one(kind, prompt, max_tokens) for kind, prompt, _, max_tokens in requests)
+        )
+
+    results = asyncio.run(main())
+    for (_, _, ids, max_tokens), want, (text, finish, usage) in zip(
+        requests, expected, results, strict=True
+    ):
+        assert finish == "length"
+        assert usage.completion_tokens == max_tokens and usage.prompt_tokens == len(ids)
+        assert text == want
+    m = server.wait_idle()
+    assert m["ssmserve:kv_blocks_used"] == 0 and m["ssmserve:state_slots_used"] == 0
