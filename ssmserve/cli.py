@@ -1,0 +1,126 @@
+"""`ssmserve generate | serve | bench`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ssmserve.config import EngineConfig, add_engine_args
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed-sampling", dest="sampling_seed", type=int, default=None,
+                   help="per-request sampling seed")
+    g.add_argument("--n", type=int, default=1, help="completions per prompt")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+
+
+def _sampling_params(args: argparse.Namespace):
+    from ssmserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        n=args.n, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+    )
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from ssmserve.engine.engine import InvalidRequestError, LLMEngine
+
+    try:
+        params = _sampling_params(args)
+        engine = LLMEngine(EngineConfig.from_args(args, model=args.model))
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    prompts = args.prompt or ["def fibonacci(n):"]
+    out = sys.stdout
+    for i, prompt in enumerate(prompts):
+        try:
+            engine.add_request(str(i), prompt, params)
+        except InvalidRequestError as exc:
+            print(f"error: prompt {i}: {exc}", file=sys.stderr)
+            return 2
+        # Stream: print each completion's new text as it arrives.
+        shown = [0] * params.n
+        if len(prompts) > 1 or params.n > 1:
+            out.write(f"=== prompt {i} ===\n")
+        out.write(prompt)
+        out.flush()
+        final = None
+        while engine.has_unfinished_requests():
+            for result in engine.step():
+                final = result
+                if params.n == 1:
+                    text = result.outputs[0].text
+                    out.write(text[shown[0]:])
+                    out.flush()
+                    shown[0] = len(text)
+        if params.n > 1 and final is not None:
+            for c in final.outputs:
+                out.write(f"\n--- completion {c.index} ({c.finish_reason}) ---\n{prompt}{c.text}")
+        out.write("\n")
+        out.flush()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ssmserve", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete prompts, streaming to the terminal")
+    gen.add_argument("prompt", nargs="*", help="prompt text (default: 'def fibonacci(n):')")
+    gen.add_argument("--model", default=None,
+                     help="checkpoint folder or cached hub id (default: the bundled model)")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=run_generate)
+
+    from ssmserve.server.cli import add_serve_parser, run_serve
+
+    serve = add_serve_parser(sub)
+    serve.set_defaults(func=run_serve)
+
+    bench = sub.add_parser("bench", help="offline throughput / latency benchmarks")
+    bench.add_argument("kind", choices=["throughput"],
+                       help="throughput: continuous batching vs one request at a time")
+    bench.add_argument("--model", default=None)
+    bench.add_argument("--num-prompts", type=int, default=32)
+    bench.add_argument("--input-len", type=int, default=64)
+    bench.add_argument("--output-len", type=int, default=64)
+    add_engine_args(bench)
+    bench.set_defaults(func=_run_bench)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from ssmserve.bench import print_table, run_throughput
+
+    rows = run_throughput(EngineConfig.from_args(args, model=args.model), args.num_prompts,
+                          args.input_len, args.output_len)
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
