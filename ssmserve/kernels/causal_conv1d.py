@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ssmserve.kernels._common import check_shape, check_varlen
+from ssmserve.kernels._common import check_shape, check_varlen, lazy_jit, next_pow2, tl, triton
 
 _ACTIVATIONS = (None, "silu", "swish")
 
@@ -117,4 +117,201 @@ def causal_conv1d_update_ref(
     conv_state[slots] = xs[:, :, 1:].to(conv_state.dtype)
     y = torch.zeros(Bt, Cd, dtype=x.dtype, device=x.device)
     y[rows] = y_v.to(x.dtype)
+    return y
+
+
+# ---------------------------------------------------------------------------- Triton
+
+
+@lazy_jit
+def _conv1d_varlen_kernel(
+    x_ptr, weight_ptr, bias_ptr, conv_state_ptr, cu_seqlens_ptr, state_slots_ptr,
+    has_init_ptr, y_ptr,
+    T, Cd, num_seqs,
+    stride_x_t, stride_x_c, stride_w_c, stride_w_k,
+    stride_s_slot, stride_s_c, stride_s_k, stride_y_t, stride_y_c,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    # Programs tile the packed tokens directly (no per-sequence grid, so no host sync);
+    # each token finds its sequence by binary search over cu_seqlens.
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_t = offs_t < T
+    mask_c = offs_c < Cd
+    lo = tl.zeros([BLOCK_T], dtype=tl.int32)
+    hi = tl.zeros([BLOCK_T], dtype=tl.int32) + num_seqs
+    for _ in tl.static_range(SEARCH_STEPS):  # invariant: cu[lo] <= t < cu[hi]
+        mid = (lo + hi) // 2
+        go_right = tl.load(cu_seqlens_ptr + mid, mask=mask_t, other=0) <= offs_t
+        lo = tl.where(go_right & (hi - lo > 1), mid, lo)
+        hi = tl.where(~go_right & (hi - lo > 1), mid, hi)
+    seq_start = tl.load(cu_seqlens_ptr + lo, mask=mask_t, other=0).to(tl.int64)
+    slot = tl.load(state_slots_ptr + lo, mask=mask_t, other=0).to(tl.int64)
+    has_init = tl.load(has_init_ptr + lo, mask=mask_t, other=0) != 0
+
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for k in tl.static_range(K):
+        src = offs_t - (K - 1) + k
+        in_seq = src >= seq_start
+        xv = tl.load(
+            x_ptr + src[:, None] * stride_x_t + offs_c[None, :] * stride_x_c,
+            mask=(mask_t & in_seq)[:, None] & mask_c[None, :], other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        # Left context from the slot's conv state (index K-1 + src - start, oldest first).
+        sv = tl.load(
+            conv_state_ptr + slot[:, None] * stride_s_slot + offs_c[None, :] * stride_s_c
+            + (K - 1 + src - seq_start)[:, None] * stride_s_k,
+            mask=(mask_t & ~in_seq & has_init)[:, None] & mask_c[None, :], other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        w = tl.load(weight_ptr + offs_c * stride_w_c + k * stride_w_k, mask=mask_c, other=0.0)
+        acc += (xv + sv) * w.to(tl.float32)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(y_ptr + offs_t[:, None] * stride_y_t + offs_c[None, :] * stride_y_c,
+             acc.to(y_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :])  # fmt: skip
+
+
+@lazy_jit
+def _conv1d_varlen_state_kernel(
+    x_ptr, conv_state_ptr, cu_seqlens_ptr, state_slots_ptr, has_init_ptr,
+    Cd, stride_x_t, stride_x_c, stride_s_slot, stride_s_c, stride_s_k,
+    KM1: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    # Runs after the conv kernel (which reads the old states): new state = last K-1
+    # inputs of (old state ++ sequence).
+    seq = tl.program_id(0)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_c = offs_c < Cd
+    start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+    length = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64) - start
+    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
+    has_init = tl.load(has_init_ptr + seq) != 0
+    pos = length - KM1 + offs_k  # position in the sequence of new state column k
+    mask_k = offs_k < KM1
+    from_x = pos >= 0
+    state_row = conv_state_ptr + slot * stride_s_slot + offs_c[:, None] * stride_s_c
+    xv = tl.load(x_ptr + (start + pos)[None, :] * stride_x_t + offs_c[:, None] * stride_x_c,
+                 mask=mask_c[:, None] & (mask_k & from_x)[None, :], other=0.0)  # fmt: skip
+    from_state = mask_k & ~from_x & has_init
+    sv = tl.load(state_row + (KM1 + pos)[None, :] * stride_s_k,
+                 mask=mask_c[:, None] & from_state[None, :], other=0.0)  # fmt: skip
+    new_state = xv.to(conv_state_ptr.dtype.element_ty) + sv
+    # NOTE: columns are read and written by different threads; all reads must land
+    # before any write.
+    tl.debug_barrier()
+    tl.store(state_row + offs_k[None, :] * stride_s_k, new_state,
+             mask=mask_c[:, None] & mask_k[None, :])  # fmt: skip
+
+
+def causal_conv1d_varlen_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    conv_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Triton twin of `causal_conv1d_varlen_ref` (same arguments, shapes and result).
+
+    No host sync; cu_seqlens and slot values are not validated.
+    """
+    _check_activation(activation)
+    T, Cd, K = _check_conv_args(x, weight, bias, conv_state)
+    check_shape("state_slots", state_slots, [None])
+    S = state_slots.shape[0]
+    check_shape("cu_seqlens", cu_seqlens, [S + 1])
+    check_shape("has_initial_state", has_initial_state, [S])
+    y = torch.empty_like(x)
+    if S == 0:
+        return y
+    has_init = has_initial_state.to(torch.int8)
+    block_t, block_c = 16, min(256, next_pow2(Cd))
+    if T > 0:
+        grid = (triton.cdiv(T, block_t), triton.cdiv(Cd, block_c))
+        _conv1d_varlen_kernel[grid](
+            x, weight, bias, conv_state, cu_seqlens, state_slots, has_init, y,
+            T, Cd, S, *x.stride(), *weight.stride(), *conv_state.stride(), *y.stride(),
+            K=K, HAS_BIAS=bias is not None, SILU=activation is not None,
+            SEARCH_STEPS=max(1, S.bit_length()), BLOCK_T=block_t, BLOCK_C=block_c,
+        )  # fmt: skip
+    grid = (S, triton.cdiv(Cd, block_c))
+    _conv1d_varlen_state_kernel[grid](
+        x, conv_state, cu_seqlens, state_slots, has_init,
+        Cd, *x.stride(), *conv_state.stride(),
+        KM1=K - 1, BLOCK_K=next_pow2(K - 1), BLOCK_C=block_c,
+    )  # fmt: skip
+    return y
+
+
+@lazy_jit
+def _conv1d_update_kernel(
+    x_ptr, conv_state_ptr, weight_ptr, bias_ptr, state_slots_ptr, y_ptr,
+    Cd, stride_x_b, stride_x_c, stride_s_slot, stride_s_c, stride_s_k,
+    stride_w_c, stride_w_k, stride_y_b, stride_y_c,
+    KM1: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_c = offs_c < Cd
+    mask_k = offs_k < KM1
+    slot = tl.load(state_slots_ptr + row).to(tl.int64)
+    valid = slot >= 0
+    mask_ck = mask_c[:, None] & mask_k[None, :] & valid
+    state_row = conv_state_ptr + slot * stride_s_slot + offs_c[:, None] * stride_s_c
+    window = tl.load(state_row + offs_k[None, :] * stride_s_k, mask=mask_ck, other=0.0)
+    x = tl.load(x_ptr + row * stride_x_b + offs_c * stride_x_c, mask=mask_c, other=0.0)
+    w = tl.load(weight_ptr + offs_c[:, None] * stride_w_c + offs_k[None, :] * stride_w_k,
+                mask=mask_c[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
+    w_last = tl.load(weight_ptr + offs_c * stride_w_c + KM1 * stride_w_k, mask=mask_c, other=0.0)
+    acc = tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=1)
+    acc += x.to(tl.float32) * w_last.to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    acc = tl.where(valid, acc, 0.0)
+    tl.store(y_ptr + row * stride_y_b + offs_c * stride_y_c, acc.to(y_ptr.dtype.element_ty),
+             mask=mask_c)  # fmt: skip
+    # Shift left by one and append x.
+    shifted = tl.load(state_row + (offs_k + 1)[None, :] * stride_s_k,
+                      mask=mask_ck & (offs_k < KM1 - 1)[None, :], other=0.0)  # fmt: skip
+    shifted = tl.where((offs_k == KM1 - 1)[None, :], x.to(shifted.dtype)[:, None], shifted)
+    # NOTE: column k+1 is read by the thread writing column k+1's neighbour.
+    tl.debug_barrier()
+    tl.store(state_row + offs_k[None, :] * stride_s_k, shifted, mask=mask_ck)
+
+
+def causal_conv1d_update_triton(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    state_slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Triton twin of `causal_conv1d_update_ref`; no host sync (CUDA-graph safe)."""
+    _check_activation(activation)
+    Bt, Cd, K = _check_conv_args(x, weight, bias, conv_state)
+    check_shape("state_slots", state_slots, [Bt])
+    y = torch.empty_like(x)
+    if Bt == 0:
+        return y
+    block_c = min(256, next_pow2(Cd))
+    grid = (Bt, triton.cdiv(Cd, block_c))
+    _conv1d_update_kernel[grid](
+        x, conv_state, weight, bias, state_slots, y,
+        Cd, *x.stride(), *conv_state.stride(), *weight.stride(), *y.stride(),
+        KM1=K - 1, HAS_BIAS=bias is not None, SILU=activation is not None,
+        BLOCK_K=next_pow2(K - 1), BLOCK_C=block_c,
+    )  # fmt: skip
     return y
