@@ -569,8 +569,8 @@ def build_app(
         add_generation_prompt: bool,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
-    ) -> list[int]:
-        if getattr(tokenizer, "chat_template", None) is None:
+    ) -> tuple[str, list[int]]:
+        if not getattr(tokenizer, "chat_template", None):
             raise _bad_request(
                 f"the model `{model_name}` has no chat template, so /v1/chat/completions "
                 "cannot turn messages into a prompt; use /v1/completions with a plain prompt",
@@ -589,7 +589,7 @@ def build_app(
             message = f"the chat template rejected the messages: {exc}"
             raise _bad_request(message, "messages") from exc
         # The template already holds any BOS the model wants.
-        return tokenizer(text, add_special_tokens=False).input_ids
+        return text, tokenizer(text, add_special_tokens=False).input_ids
 
     async def add_requests(
         request_id: str, prompts: list[Any], params: SamplingParams
@@ -644,7 +644,7 @@ def build_app(
         if (req.prompt is None) == (req.messages is None):
             raise _bad_request("send exactly one of `prompt` and `messages`", "prompt")
         if req.messages is not None:
-            ids = render_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
+            _, ids = render_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
         else:
             ids = tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
         limit = async_engine.max_model_len
@@ -828,7 +828,7 @@ def build_app(
             )
         if req.top_logprobs is not None and not req.logprobs:
             raise _bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-        prompt_ids = render_chat(
+        prompt_text, prompt_ids = render_chat(
             req.messages,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
@@ -843,7 +843,8 @@ def build_app(
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         timing = _Timing(metrics)
-        streams = await add_requests(request_id, [{"prompt_token_ids": prompt_ids}], params)
+        engine_prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
+        streams = await add_requests(request_id, [engine_prompt], params)
 
         def logprobs_of(out: Any, start: int) -> ChatLogprobs | None:
             if not req.logprobs:

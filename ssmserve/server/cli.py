@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import sys
+import threading
 from typing import Any
 
 from ssmserve.config import EngineConfig, add_engine_args
@@ -73,7 +76,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "are aborted (default 30)",
     )
     g.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+        "--uvicorn-log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="log level of uvicorn's server and access logs (default info)",
     )
     add_engine_args(parser)
     return parser
@@ -86,16 +92,20 @@ def run_serve(args: argparse.Namespace) -> int:
     from ssmserve.server.api import build_app
     from ssmserve.server.async_engine import AsyncLLMEngine
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     if args.model_tag and args.model and args.model_tag != args.model:
-        raise SystemExit(
-            f"two different models given ({args.model_tag!r} and --model {args.model!r}); pass one"
+        print(
+            f"error: two different models given ({args.model_tag!r} and --model "
+            f"{args.model!r}); pass one",
+            file=sys.stderr,
         )
+        return 2
     model = args.model_tag or args.model
-    config = EngineConfig.from_args(args, model=model)
-    async_engine = AsyncLLMEngine.from_config(config)
+    try:
+        config = EngineConfig.from_args(args, model=model)
+        async_engine = AsyncLLMEngine.from_config(config)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     names = args.served_model_name or [model or async_engine.model_name]
     app = build_app(
         async_engine, names, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes
@@ -112,21 +122,31 @@ def run_serve(args: argparse.Namespace) -> int:
             app,
             host=args.host,
             port=args.port,
-            log_level=args.log_level,
+            log_level=args.uvicorn_log_level,
             timeout_graceful_shutdown=args.shutdown_timeout,
         )
     )
     # uvicorn handles SIGINT/SIGTERM: it stops accepting, waits up to the shutdown timeout
     # for in-flight responses, cancels the rest (which aborts them), then runs the app's
-    # lifespan shutdown, which stops the engine thread.
+    # lifespan shutdown, which stops the engine thread. Afterwards it re-raises the signal
+    # to the handler it found; ours makes that a no-op, so a clean shutdown exits 0.
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _after_graceful_shutdown)
     server.run()
+    logger.info("server stopped")
     return 0
+
+
+def _after_graceful_shutdown(sig: int, frame: Any) -> None:
+    logger.debug("%s handled by a graceful shutdown", signal.Signals(sig).name)
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m ssmserve.server.cli [MODEL] ...`: the serve command on its own."""
     parser = argparse.ArgumentParser(prog="ssmserve serve")
     add_serve_args(parser)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return run_serve(parser.parse_args(argv))
 
 

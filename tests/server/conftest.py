@@ -15,6 +15,8 @@ import httpx
 import pytest
 import uvicorn
 
+from ssmserve.config import EngineConfig
+from ssmserve.engine.engine import LLMEngine
 from ssmserve.server.api import build_app
 from ssmserve.server.async_engine import AsyncLLMEngine
 from tests.tiny_models import make_tiny_checkpoint
@@ -29,19 +31,7 @@ def engine_kwargs() -> dict:
     return dict(device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=48)
 
 
-def make_engine(checkpoint: str):
-    from ssmserve.config import EngineConfig
-
-    try:
-        from ssmserve.engine.engine import LLMEngine
-    except ImportError:  # TEMPORARY until the engine lands
-        from transformers import AutoTokenizer
-
-        from tests.server.fake_engine import FakeEngine
-
-        tok = AutoTokenizer.from_pretrained(checkpoint)
-        return FakeEngine(tok, max_model_len=MAX_MODEL_LEN, max_num_seqs=48, step_s=0.003)
-
+def make_engine(checkpoint: str) -> LLMEngine:
     return LLMEngine(EngineConfig(model=checkpoint, **engine_kwargs()))
 
 
@@ -59,7 +49,10 @@ class ServerThread:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning",
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
             timeout_graceful_shutdown=5,
         )
         self.server = uvicorn.Server(config)

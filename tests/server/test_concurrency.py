@@ -6,55 +6,62 @@ import asyncio
 
 import openai
 
+from ssmserve.llm import LLM
 from ssmserve.sampling_params import SamplingParams
-from tests.server.conftest import MODEL_NAME, make_engine
+from tests.server.conftest import MODEL_NAME, engine_kwargs
 
 NUM_CLIENTS = 32
 SEEDS = [
-    "def fib(n):", "import heapq", "class Node:", "    return", "for i in range(",
-    "x = [", "# compute the", "while True:",
+    "def fib(n):",
+    "import heapq",
+    "class Node:",
+    "    return",
+    "for i in range(",
+    "x = [",
+    "# compute the",
+    "while True:",
 ]
 
 
-def _requests(tokenizer):
-    """(kind, prompt or messages, prompt token ids, max_tokens) per client."""
+def _requests():
+    """(kind, prompt text or messages, max_tokens) per client: half completions, half chat."""
     out = []
     for i in range(NUM_CLIENTS):
         text = SEEDS[i % len(SEEDS)] + " " * (i // len(SEEDS))
         max_tokens = 8 + (i * 5) % 17
         if i % 2:
-            messages = [{"role": "user", "content": text}]
-            rendered = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-            ids = tokenizer(rendered, add_special_tokens=False).input_ids
-            out.append(("chat", messages, ids, max_tokens))
+            out.append(("chat", [{"role": "user", "content": text}], max_tokens))
         else:
-            out.append(("completion", text, tokenizer(text).input_ids, max_tokens))
+            out.append(("completion", text, max_tokens))
     return out
 
 
 def _offline(checkpoint, requests):
-    engine = make_engine(checkpoint)
-    for i, (_, _, ids, max_tokens) in enumerate(requests):
+    """The same requests through the offline API (`LLM.generate` / `LLM.chat`)."""
+    llm = LLM(checkpoint, **engine_kwargs())
+    results = []
+    for kind, prompt, max_tokens in requests:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
-    texts = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                texts[int(output.request_id)] = output.outputs[0].text
-    return [texts[i] for i in range(len(requests))]
+        run = llm.chat if kind == "chat" else llm.generate
+        (output,) = run(prompt, params)
+        results.append((output.outputs[0].text, len(output.prompt_token_ids)))
+    return results
 
 
-def test_32_concurrent_streams_match_offline(server, engine, checkpoint):
-    requests = _requests(engine.tokenizer)
+def test_32_concurrent_streams_match_offline(server, checkpoint):
+    requests = _requests()
     expected = _offline(checkpoint, requests)
     client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
 
     async def one(kind, prompt, max_tokens):
-        common = dict(model=MODEL_NAME, max_tokens=max_tokens, temperature=0, stream=True,
-                      stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        common = dict(
+            model=MODEL_NAME,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         pieces, usage, finish = [], None, None
         if kind == "chat":
             stream = await client.chat.completions.create(messages=prompt, **common)
@@ -69,15 +76,15 @@ def test_32_concurrent_streams_match_offline(server, engine, checkpoint):
 
     async def main():
         return await asyncio.gather(
-            *(one(kind, prompt, max_tokens) for kind, prompt, _, max_tokens in requests)
+            *(one(kind, prompt, max_tokens) for kind, prompt, max_tokens in requests)
         )
 
     results = asyncio.run(main())
-    for (_, _, ids, max_tokens), want, (text, finish, usage) in zip(
+    for (_, _, max_tokens), (want, n_prompt), (text, finish, usage) in zip(
         requests, expected, results, strict=True
     ):
         assert finish == "length"
-        assert usage.completion_tokens == max_tokens and usage.prompt_tokens == len(ids)
+        assert usage.completion_tokens == max_tokens and usage.prompt_tokens == n_prompt
         assert text == want
     m = server.wait_idle()
     assert m["ssmserve:kv_blocks_used"] == 0 and m["ssmserve:state_slots_used"] == 0

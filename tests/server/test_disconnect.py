@@ -23,8 +23,14 @@ def _assert_idle(metrics: dict[str, float]) -> None:
 def test_eight_clients_disconnect_mid_stream(server):
     server.wait_idle()
     before = server.metrics()["ssmserve:generation_tokens_total"]
-    body = {"model": MODEL_NAME, "prompt": "def fib(n):", "max_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "def fib(n):",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
     async def read_three_chunks_then_leave(http: httpx.AsyncClient, i: int) -> int:
         chat = i % 2 == 1
@@ -63,8 +69,12 @@ def test_eight_clients_disconnect_mid_stream(server):
 def test_non_streaming_client_that_times_out_is_aborted(server):
     server.wait_idle()
     before = server.metrics()["ssmserve:generation_tokens_total"]
-    body = {"model": MODEL_NAME, "prompt": "def fib(n):", "max_tokens": MAX_TOKENS,
-            "ignore_eos": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "def fib(n):",
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+    }
     for _ in range(2):
         try:
             httpx.post(server.base_url + "/v1/completions", json=body, timeout=0.3)

@@ -173,8 +173,13 @@ def test_chat_without_template_is_400(guarded_server):
 def test_bad_requests_do_not_disturb_a_running_stream(server):
     """A long stream runs while bad requests of every kind come and go; it is unchanged."""
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
-    common = dict(model=MODEL_NAME, prompt="def fib(n):", max_tokens=40, temperature=0,
-                  extra_body={"ignore_eos": True})
+    common = dict(
+        model=MODEL_NAME,
+        prompt="def fib(n):",
+        max_tokens=40,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     expected = client.completions.create(**common).choices[0].text
     texts = []
 

@@ -43,7 +43,10 @@ def test_completion_text_and_token_prompts_agree(client, engine):
     prompt = "def hello(name):"
     ids = engine.tokenizer(prompt).input_ids
     by_text = client.completions.create(
-        model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0,
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0,
         extra_body={"ignore_eos": True},
     )
     by_ids = client.completions.create(
@@ -61,13 +64,20 @@ def test_completion_text_and_token_prompts_agree(client, engine):
 def test_completion_several_prompts_and_echo(client):
     prompts = ["import heapq", "def fib(n):"]
     r = client.completions.create(
-        model=MODEL_NAME, prompt=prompts, max_tokens=4, temperature=0, echo=True,
+        model=MODEL_NAME,
+        prompt=prompts,
+        max_tokens=4,
+        temperature=0,
+        echo=True,
         extra_body={"ignore_eos": True},
     )
     assert [c.index for c in r.choices] == [0, 1]
     for prompt, choice in zip(prompts, r.choices, strict=True):
         alone = client.completions.create(
-            model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0,
+            model=MODEL_NAME,
+            prompt=prompt,
+            max_tokens=4,
+            temperature=0,
             extra_body={"ignore_eos": True},
         )
         assert choice.text == prompt + alone.choices[0].text
@@ -75,14 +85,25 @@ def test_completion_several_prompts_and_echo(client):
 
 
 def test_completion_stop_string(client):
-    free = client.completions.create(
-        model=MODEL_NAME, prompt="def hello", max_tokens=12, temperature=0,
-        extra_body={"ignore_eos": True},
-    ).choices[0].text
+    free = (
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt="def hello",
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+    )
     stop = free[3:5]
     assert stop.strip(), f"pick a visible stop string from {free!r}"
     r = client.completions.create(
-        model=MODEL_NAME, prompt="def hello", max_tokens=12, temperature=0, stop=[stop],
+        model=MODEL_NAME,
+        prompt="def hello",
+        max_tokens=12,
+        temperature=0,
+        stop=[stop],
         extra_body={"ignore_eos": True},
     )
     assert r.choices[0].finish_reason == "stop"
@@ -93,7 +114,11 @@ def test_completion_stop_string(client):
 def test_completion_logprobs(client):
     k = 3
     r = client.completions.create(
-        model=MODEL_NAME, prompt="def hello", max_tokens=6, temperature=0, logprobs=k,
+        model=MODEL_NAME,
+        prompt="def hello",
+        max_tokens=6,
+        temperature=0,
+        logprobs=k,
         extra_body={"ignore_eos": True},
     )
     choice = r.choices[0]
@@ -113,7 +138,12 @@ def test_completion_echo_logprobs_cover_the_prompt(client, engine):
     prompt = "def fib(n):"
     n_prompt = len(engine.tokenizer(prompt).input_ids)
     r = client.completions.create(
-        model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0, logprobs=1, echo=True,
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=3,
+        temperature=0,
+        logprobs=1,
+        echo=True,
         extra_body={"ignore_eos": True},
     )
     lp = r.choices[0].logprobs
@@ -125,7 +155,10 @@ def test_completion_echo_logprobs_cover_the_prompt(client, engine):
 
 def test_chat(client):
     r = client.chat.completions.create(
-        model=MODEL_NAME, messages=CHAT, max_completion_tokens=6, temperature=0,
+        model=MODEL_NAME,
+        messages=CHAT,
+        max_completion_tokens=6,
+        temperature=0,
         extra_body={"ignore_eos": True},
     )
     assert r.object == "chat.completion"
@@ -134,7 +167,10 @@ def test_chat(client):
     assert choice.finish_reason == "length" and r.usage.completion_tokens == 6
     # max_tokens (deprecated by OpenAI, still sent by many clients) means the same.
     r2 = client.chat.completions.create(
-        model=MODEL_NAME, messages=CHAT, max_tokens=6, temperature=0,
+        model=MODEL_NAME,
+        messages=CHAT,
+        max_tokens=6,
+        temperature=0,
         extra_body={"ignore_eos": True},
     )
     assert r2.choices[0].message.content == choice.message.content
@@ -142,8 +178,13 @@ def test_chat(client):
 
 def test_chat_logprobs(client):
     r = client.chat.completions.create(
-        model=MODEL_NAME, messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
-        top_logprobs=2, extra_body={"ignore_eos": True},
+        model=MODEL_NAME,
+        messages=CHAT,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
     )
     content = r.choices[0].logprobs.content
     assert len(content) == 5
@@ -159,8 +200,14 @@ def test_chat_logprobs(client):
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_n_with_seed_is_reproducible(client, endpoint):
     def sample(seed):
-        kwargs = dict(model=MODEL_NAME, max_tokens=10, temperature=1.0, n=3, seed=seed,
-                      extra_body={"ignore_eos": True})
+        kwargs = dict(
+            model=MODEL_NAME,
+            max_tokens=10,
+            temperature=1.0,
+            n=3,
+            seed=seed,
+            extra_body={"ignore_eos": True},
+        )
         if endpoint == "chat":
             r = client.chat.completions.create(messages=CHAT, **kwargs)
             return [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
@@ -191,16 +238,20 @@ def test_stream_equals_non_stream_with_usage_last(client, endpoint):
     common = dict(model=MODEL_NAME, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     if endpoint == "chat":
         full = client.chat.completions.create(messages=CHAT, **common)
-        chunks = list(client.chat.completions.create(
-            messages=CHAT, stream=True, stream_options={"include_usage": True}, **common
-        ))
+        chunks = list(
+            client.chat.completions.create(
+                messages=CHAT, stream=True, stream_options={"include_usage": True}, **common
+            )
+        )
         expected = full.choices[0].message.content
         assert chunks[0].choices[0].delta.role == "assistant"
     else:
         full = client.completions.create(prompt="def hello", **common)
-        chunks = list(client.completions.create(
-            prompt="def hello", stream=True, stream_options={"include_usage": True}, **common
-        ))
+        chunks = list(
+            client.completions.create(
+                prompt="def hello", stream=True, stream_options={"include_usage": True}, **common
+            )
+        )
         expected = full.choices[0].text
     texts, finish = _stream_texts(chunks[:-1], chat=endpoint == "chat")
     assert texts == {0: expected} and finish == {0: "length"}
@@ -216,8 +267,12 @@ def test_stream_chunks_arrive_while_generating(server, client):
     max_tokens = 200
     before = server.metrics()["ssmserve:generation_tokens_total"]
     stream = client.completions.create(
-        model=MODEL_NAME, prompt="def hello", max_tokens=max_tokens, temperature=0,
-        stream=True, extra_body={"ignore_eos": True},
+        model=MODEL_NAME,
+        prompt="def hello",
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     chunks = iter(stream)
     first = next(chunks)
@@ -230,14 +285,27 @@ def test_stream_chunks_arrive_while_generating(server, client):
 
 
 def test_stream_n_and_several_prompts(client):
-    chunks = list(client.completions.create(
-        model=MODEL_NAME, prompt=["def a", "def b"], n=2, max_tokens=5, temperature=0.8, seed=7,
-        stream=True, extra_body={"ignore_eos": True},
-    ))
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=["def a", "def b"],
+            n=2,
+            max_tokens=5,
+            temperature=0.8,
+            seed=7,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     texts, finish = _stream_texts(chunks, chat=False)
     assert sorted(texts) == [0, 1, 2, 3] and set(finish.values()) == {"length"}
     full = client.completions.create(
-        model=MODEL_NAME, prompt=["def a", "def b"], n=2, max_tokens=5, temperature=0.8, seed=7,
+        model=MODEL_NAME,
+        prompt=["def a", "def b"],
+        n=2,
+        max_tokens=5,
+        temperature=0.8,
+        seed=7,
         extra_body={"ignore_eos": True},
     )
     assert {c.index: c.text for c in full.choices} == texts
