@@ -1,0 +1,188 @@
+"""Engine invariants (DESIGN.md): chunking, batch composition, arrival order and
+preemption never change a request's greedy output; aborts and finishes free everything."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ssmserve import LLM, SamplingParams
+from ssmserve.config import EngineConfig
+from ssmserve.engine.engine import InvalidRequestError, LLMEngine
+
+FAMILIES = ["bamba", "bamba_attn_first_last_mqa", "mamba2", "mamba", "llama"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def token_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(1, vocab) for _ in range(n)]} for n in lengths]
+
+
+def make_llm(path: str, **kwargs) -> LLM:
+    return LLM(path, device="cpu", dtype="float32", **kwargs)
+
+
+def alone(llm: LLM, prompts: list[dict], params=GREEDY) -> list[list[int]]:
+    return [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+
+
+def assert_idle(stats: dict) -> None:
+    assert stats["kv_blocks_used"] == 0, stats
+    assert stats["state_slots_used"] == 0, stats
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+
+
+@pytest.fixture(scope="module")
+def references(checkpoint):
+    """family -> (prompts, outputs of each prompt run alone with default settings)."""
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            llm = make_llm(checkpoint(family))
+            prompts = token_prompts(llm.get_tokenizer().vocab_size, [1, 5, 17, 33, 40])
+            cache[family] = (prompts, alone(llm, prompts))
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("budget", [1, 2, 3, 7, 16, 61, None])
+def test_any_chunking_equals_no_chunking(checkpoint, references, family, budget):
+    prompts, expected = references(family)
+    llm = make_llm(checkpoint(family), max_num_batched_tokens=budget)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert_idle(llm.stats())
+
+
+@pytest.mark.parametrize("family", ["bamba", "mamba2", "mamba", "llama"])
+def test_batch_of_lengths_1_to_100_equals_alone(checkpoint, family):
+    llm = make_llm(checkpoint(family))
+    prompts = token_prompts(llm.get_tokenizer().vocab_size, list(range(1, 101)), seed=1)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert batched == alone(llm, prompts, params)
+    assert_idle(llm.stats())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_requests_arriving_mid_flight(checkpoint, references, family):
+    prompts, expected = references(family)
+    engine = LLMEngine(EngineConfig(model=checkpoint(family), device="cpu", dtype="float32",
+                                    max_num_batched_tokens=9))
+    finished = {}
+    pending = list(enumerate(prompts))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        # Add a new request every third step, whatever the others are doing.
+        if pending and step % 3 == 0:
+            i, prompt = pending.pop(0)
+            engine.add_request(str(i), prompt, GREEDY)
+        for out in engine.step():
+            if out.finished:
+                finished[int(out.request_id)] = out.outputs[0].token_ids
+        step += 1
+    assert [finished[i] for i in range(len(prompts))] == expected
+    assert_idle(engine.stats())
+
+
+@pytest.mark.parametrize("family", ["bamba", "bamba_attn_first_last_mqa", "llama"])
+def test_preemption_changes_no_output(checkpoint, family):
+    path = checkpoint(family)
+    prompts = token_prompts(300, [10, 11, 12, 9], seed=2)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    expected = alone(make_llm(path), prompts, params)
+    # 14 blocks of 4 tokens: all four prompts start, but cannot all grow to 26+ tokens.
+    llm = make_llm(path, num_kv_blocks=14, block_size=4)
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0, stats
+    assert_idle(stats)
+
+
+@pytest.mark.parametrize("family", ["mamba2", "mamba"])
+def test_fewer_state_slots_than_requests(checkpoint, references, family):
+    prompts, expected = references(family)
+    llm = make_llm(checkpoint(family), max_num_seqs=2)
+    assert llm.stats()["state_slots_total"] == 2
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert_idle(llm.stats())
+
+
+def test_memory_planner_lowers_max_num_seqs_instead_of_failing(checkpoint, caplog):
+    path = checkpoint("mamba2")
+    probe = make_llm(path)
+    per_slot = probe.llm_engine.model.cache_bytes_per_slot(torch.float32, torch.float32)
+    llm = make_llm(path, max_num_seqs=64, cache_memory=per_slot * 5 + 10)
+    stats = llm.stats()
+    assert stats["state_slots_total"] == 5
+    assert "lowering max_num_seqs" in caplog.text
+    out = llm.generate(token_prompts(300, [4] * 7), GREEDY)
+    assert len(out) == 7
+
+
+@pytest.mark.parametrize("family", ["bamba", "mamba2", "llama"])
+def test_abort_mid_prefill_and_mid_decode(checkpoint, references, family):
+    prompts, expected = references(family)
+    engine = LLMEngine(EngineConfig(model=checkpoint(family), device="cpu", dtype="float32",
+                                    max_num_batched_tokens=8))
+    engine.add_request("keep", prompts[3], GREEDY)
+    engine.add_request("prefill", prompts[4], GREEDY)  # 40 tokens: several steps of prefill
+    engine.add_request("decode", prompts[1], GREEDY)
+    engine.step()
+    engine.abort_request("prefill")
+    decoding = False
+    while not decoding:
+        for out in engine.step():
+            decoding |= out.request_id == "decode" and len(out.outputs[0].token_ids) >= 2
+    engine.abort_request("decode")
+    engine.abort_request("unknown-id")  # aborting what does not exist is a no-op
+    result = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == "keep"
+            result = out
+    assert result.finished and result.outputs[0].token_ids == expected[3]
+    assert_idle(engine.stats())
+
+
+def test_prompt_longer_than_max_model_len_is_rejected_at_once(checkpoint):
+    engine = LLMEngine(EngineConfig(model=checkpoint("bamba"), device="cpu", max_model_len=32))
+    with pytest.raises(InvalidRequestError, match="prompt has 40 tokens but max_model_len is 32"):
+        engine.add_request("long", {"prompt_token_ids": [5] * 40}, GREEDY)
+    assert not engine.has_unfinished_requests()
+    assert_idle(engine.stats())
+
+
+def test_prompt_larger_than_the_whole_kv_cache_is_rejected(checkpoint):
+    engine = LLMEngine(EngineConfig(model=checkpoint("llama"), device="cpu", num_kv_blocks=4,
+                                    block_size=8))
+    with pytest.raises(InvalidRequestError, match="KV cache holds at most 32 tokens"):
+        engine.add_request("big", {"prompt_token_ids": [5] * 40}, GREEDY)
+    # A request that fits still runs, and generation stops when the cache is full.
+    engine.add_request("ok", {"prompt_token_ids": [5] * 20},
+                       SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+    assert final.outputs[0].finish_reason == "length"
+    assert len(final.outputs[0].token_ids) == 12
+    assert_idle(engine.stats())
+
+
+def test_bad_prompts_are_rejected_and_leave_nothing_behind(checkpoint):
+    llm = make_llm(checkpoint("bamba"))
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate([{"prompt_token_ids": []}])
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm.generate(["fine", {"prompt_token_ids": [1, 10**6]}])
+    assert_idle(llm.stats())
+    assert not llm.llm_engine.has_unfinished_requests()
