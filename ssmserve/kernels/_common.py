@@ -76,7 +76,7 @@ class LazyKernel:
         mode = interpret_mode()
         if mode not in self._compiled:
             if mode:
-                _patch_interpreter_scalar_index()
+                _patch_interpreter()
             self._compiled[mode] = triton.jit(self.fn)
         return self._compiled[mode][grid]
 
@@ -84,24 +84,37 @@ class LazyKernel:
 _interpreter_patched = False
 
 
-def _patch_interpreter_scalar_index() -> None:
-    """Let the Triton 3.6 interpreter use loaded scalars as loop bounds under numpy >= 2.4.
+def _patch_interpreter() -> None:
+    """Work around two Triton 3.6 interpreter problems (CPU tests only).
 
-    NOTE: the interpreter holds scalars as shape-(1,) arrays and converts them with
-    `int(array)`, which numpy 2.4 rejects, so `for i in range(start, end)` with a
-    runtime bound fails (triton-lang/triton#9171). We re-define `__index__` the way
-    the upstream fix does. Only the interpreter (CPU tests) is affected.
+    1. The interpreter holds scalars as shape-(1,) arrays and converts them with
+       `int(array)`, which numpy >= 2.4 rejects, so `for i in range(start, end)` with a
+       runtime bound fails (triton-lang/triton#9171). We define `__index__` the way
+       the upstream fix does.
+    2. Triton's own library functions (tl.sum, tl.cumsum, ...) are decorated when
+       triton is imported; if that happened before TRITON_INTERPRET=1 was set (e.g.
+       transformers imports triton), they are compiled-mode functions that refuse to
+       run inside the interpreter. We run them the way interpreted device functions
+       run, so interpreter results do not depend on import order.
     """
     global _interpreter_patched
     if _interpreter_patched:
         return
     from triton.runtime import interpreter
+    from triton.runtime.jit import JITFunction
 
     original = interpreter._patch_lang_tensor
+    interpreted: dict[Any, Any] = {}
+
+    def call_as_interpreted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.fn not in interpreted:
+            interpreted[self.fn] = interpreter.InterpretedFunction(self.fn)
+        return interpreted[self.fn](*args, **kwargs)
 
     def patched(tensor: Any, scope: Any) -> None:
         original(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
+        scope.set_attr(JITFunction, "__call__", call_as_interpreted)
 
     interpreter._patch_lang_tensor = patched
     _interpreter_patched = True

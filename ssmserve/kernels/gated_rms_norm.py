@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ssmserve.kernels._common import check_shape
+from ssmserve.kernels._common import check_shape, lazy_jit, next_pow2, tl
 
 
 def _check_norm_args(
@@ -62,3 +62,61 @@ def gated_rms_norm_ref(
     if z is not None and norm_before_gate:
         h = h * F.silu(z.float())
     return (weight * h.to(dtype)).to(dtype)
+
+
+# ---------------------------------------------------------------------------- Triton
+
+
+@lazy_jit
+def _gated_rms_norm_kernel(
+    x_ptr, weight_ptr, z_ptr, y_ptr, group_size, eps,
+    stride_x_t, stride_x_c, stride_z_t, stride_z_c, stride_y_t, stride_y_c,
+    HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
+    mask = tl.arange(0, BLOCK) < group_size
+    x = tl.load(x_ptr + row * stride_x_t + offs * stride_x_c, mask=mask, other=0.0)
+    h = x.to(tl.float32)
+    if HAS_Z:
+        z = tl.load(z_ptr + row * stride_z_t + offs * stride_z_c, mask=mask, other=0.0)
+        z = z.to(tl.float32)
+        gate = z / (1.0 + tl.exp(-z))
+        if not NORM_BEFORE_GATE:
+            h = h * gate
+    h = h / tl.sqrt(tl.sum(h * h, axis=0) / group_size + eps)
+    # Round the normalised value to the input dtype before the weight multiply, as
+    # Hugging Face does: outputs then match it bit for bit.
+    h = h.to(x.dtype).to(tl.float32)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    out = w * h
+    if HAS_Z:
+        if NORM_BEFORE_GATE:
+            out = out * gate
+    tl.store(y_ptr + row * stride_y_t + offs * stride_y_c, out.to(y_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
+
+
+def gated_rms_norm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    z: torch.Tensor | None = None,
+    *,
+    eps: float,
+    group_size: int | None = None,
+    norm_before_gate: bool = False,
+) -> torch.Tensor:
+    """Triton twin of `gated_rms_norm_ref` (same arguments, shapes and result)."""
+    T, Dm, group = _check_norm_args(x, weight, z, group_size)
+    y = torch.empty_like(x)
+    if T == 0:
+        return y
+    block = next_pow2(group)
+    grid = (T, Dm // group)
+    _gated_rms_norm_kernel[grid](
+        x, weight, z, y, group, float(eps),
+        *x.stride(), *(z.stride() if z is not None else (0, 0)), *y.stride(),
+        HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate, BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
+    )  # fmt: skip
+    return y

@@ -30,3 +30,15 @@ def test_triton_on_cpu_without_interpreter_is_an_error(monkeypatch):
 def test_unknown_backend_is_an_error():
     with pytest.raises(ValueError, match="kernel_backend"):
         get_ops("cuda", "cpu")
+
+
+def test_triton_backend_with_interpreter_returns_triton_ops(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ops = get_ops("triton", "cpu")
+    assert ops.backend == "triton"
+    assert all(
+        getattr(ops, f).__name__.endswith("_triton")
+        for f in KernelOps.__dataclass_fields__
+        if f != "backend"
+    )
