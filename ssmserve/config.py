@@ -8,7 +8,6 @@ import logging
 import os
 from dataclasses import dataclass, field, fields
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -173,7 +172,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("engine")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     g.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="weight/activation dtype; auto = float32 on CPU, checkpoint's 16-bit on GPU")
+                   help="weights/activations; auto = float32 on CPU, the checkpoint's 16-bit "
+                   "type on GPU")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output, in tokens (default: the model's limit)")

@@ -27,7 +27,7 @@ from ssmserve.loader import load_weights
 from ssmserve.models.registry import model_class
 from ssmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ssmserve.sampling_params import SamplingParams
-from ssmserve.scheduler import Request, RequestStatus, Scheduler, ScheduledChunk
+from ssmserve.scheduler import Request, RequestStatus, ScheduledChunk, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,9 @@ def _resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' was asked for but no CUDA GPU is visible; use --device cpu")
+        raise RuntimeError(
+            "device 'cuda' was asked for but no CUDA GPU is visible; use --device cpu"
+        )
     return dev
 
 

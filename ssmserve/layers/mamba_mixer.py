@@ -62,7 +62,7 @@ class MambaMixer(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        Dm, N, R = self.intermediate_size, self.state_size, self.time_step_rank
+        Dm, N = self.intermediate_size, self.state_size
         nd = batch.num_decodes
         xs, z = self.in_proj(x).chunk(2, dim=-1)
         conv_weight = self.conv1d.weight.view(Dm, self.conv_kernel)
