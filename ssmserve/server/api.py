@@ -27,7 +27,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ssmserve.outputs import PositionLogprobs, RequestOutput
 from ssmserve.sampling_params import SamplingParams
-from ssmserve.server.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from ssmserve.server.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    RequestAbortedError,
+    RequestStream,
+)
 from ssmserve.server.metrics import ServerMetrics
 from ssmserve.server.protocol import (
     AssistantMessage,
@@ -542,6 +547,10 @@ def build_app(
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _error_response(APIError(exc.status_code, str(exc.detail), type=kind))
 
+    @app.exception_handler(RequestAbortedError)
+    async def _on_aborted(request: Request, exc: RequestAbortedError) -> JSONResponse:
+        return _error_response(APIError(503, str(exc), type="server_error"))
+
     @app.exception_handler(EngineDeadError)
     async def _on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return _error_response(_server_error(str(exc)))
@@ -740,11 +749,17 @@ def build_app(
                                 continue
                             start_char = sent_chars.get(choice, 0)
                             start_token = sent_tokens.get(choice, 0)
-                            if (
-                                len(out.token_ids) == start_token
-                                and out.finish_reason is None
-                                and not (req.echo and choice not in sent_chars)
-                            ):
+                            has_new = (
+                                len(out.token_ids) > start_token or out.finish_reason is not None
+                            )
+                            # With echo, the prompt goes out first, once its logprobs (if
+                            # asked for) are complete.
+                            echo_ready = (
+                                req.echo
+                                and choice not in sent_chars
+                                and (req.logprobs is None or output.prompt_logprobs is not None)
+                            )
+                            if not has_new and not echo_ready:
                                 continue
                             text, logprobs = choice_payload(
                                 index, output, out, start_char, start_token
@@ -828,7 +843,9 @@ def build_app(
             )
         if req.top_logprobs is not None and not req.logprobs:
             raise _bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-        prompt_text, prompt_ids = render_chat(
+        # In a worker thread: a long conversation must not stall every other stream.
+        prompt_text, prompt_ids = await asyncio.to_thread(
+            render_chat,
             req.messages,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,

@@ -309,3 +309,38 @@ def test_stream_n_and_several_prompts(client):
         extra_body={"ignore_eos": True},
     )
     assert {c.index: c.text for c in full.choices} == texts
+
+
+def test_metrics(server, client):
+    names = [
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_blocks_used",
+        "kv_blocks_total",
+        "state_slots_used",
+        "state_slots_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "num_preemptions_total",
+        "time_to_first_token_seconds_count",
+        "inter_token_latency_seconds_count",
+    ]
+    before = server.metrics()
+    assert all(f"ssmserve:{name}" in before for name in names), sorted(before)
+    r = client.completions.create(
+        model=MODEL_NAME,
+        prompt="def hello",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    after = server.wait_idle()
+
+    def grew(name):
+        return after[f"ssmserve:{name}"] - before[f"ssmserve:{name}"]
+
+    assert grew("prompt_tokens_total") == r.usage.prompt_tokens
+    assert grew("generation_tokens_total") == 5
+    assert grew("time_to_first_token_seconds_count") == 1
+    assert grew("inter_token_latency_seconds_count") == 4
+    assert after["ssmserve:kv_blocks_total"] > 0 and after["ssmserve:state_slots_total"] > 0
