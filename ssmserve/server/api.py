@@ -626,9 +626,31 @@ def build_app(
         return finals
 
     def streaming_response(
-        body: AsyncIterator[str], streams: list[RequestStream]
+        request_id: str, events: AsyncIterator[str], streams: list[RequestStream]
     ) -> StreamingResponse:
-        return _EventStreamResponse(body, on_close=lambda: _abort_all(streams))
+        """SSE of `events`; a failure becomes an error event; always ends with [DONE]."""
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for event in events:
+                    yield event
+            except Exception as exc:  # noqa: BLE001 - reported in the stream
+                logger.warning("stream %s failed: %s", request_id, exc)
+                yield _sse_error(exc)
+            yield "data: [DONE]\n\n"
+
+        return _EventStreamResponse(body(), on_close=lambda: _abort_all(streams))
+
+    async def collect_final(
+        raw: Request, streams: list[RequestStream], timing: _Timing
+    ) -> list[RequestOutput] | None:
+        """Each stream's last output, or None if the client went away first."""
+        try:
+            return await _unless_disconnected(raw, collect(streams, timing))
+        except _ClientGone:
+            return None
+        finally:
+            _abort_all(streams)
 
     # ------------------------------------------------------------- routes
 
@@ -739,75 +761,61 @@ def build_app(
                 sent_tokens: dict[int, int] = {}
                 done: set[int] = set()
                 prompt_tokens = [0] * len(streams)
-                try:
-                    async for index, output in _merge(streams):
-                        timing.observe(index, output)
-                        prompt_tokens[index] = len(output.prompt_token_ids)
-                        for out in output.outputs:
-                            choice = index * req.n + out.index
-                            if choice in done:
-                                continue
-                            start_char = sent_chars.get(choice, 0)
-                            start_token = sent_tokens.get(choice, 0)
-                            has_new = (
-                                len(out.token_ids) > start_token or out.finish_reason is not None
-                            )
-                            # With echo, the prompt goes out first, once its logprobs (if
-                            # asked for) are complete.
-                            echo_ready = (
-                                req.echo
-                                and choice not in sent_chars
-                                and (req.logprobs is None or output.prompt_logprobs is not None)
-                            )
-                            if not has_new and not echo_ready:
-                                continue
-                            text, logprobs = choice_payload(
-                                index, output, out, start_char, start_token
-                            )
-                            sent_chars[choice] = len(out.text)
-                            sent_tokens[choice] = len(out.token_ids)
-                            if out.finish_reason is not None:
-                                done.add(choice)
-                            chunk = CompletionResponse(
-                                id=request_id,
-                                created=created,
-                                model=model_name,
-                                choices=[
-                                    CompletionChoice(
-                                        index=choice,
-                                        text=text,
-                                        logprobs=logprobs,
-                                        finish_reason=out.finish_reason,
-                                        stop_reason=out.stop_reason,
-                                    )
-                                ],
-                            )
-                            yield _sse(chunk, exclude)
-                    if include_usage:
-                        usage = _usage(sum(prompt_tokens), sum(sent_tokens.values()))
+                async for index, output in _merge(streams):
+                    timing.observe(index, output)
+                    prompt_tokens[index] = len(output.prompt_token_ids)
+                    for out in output.outputs:
+                        choice = index * req.n + out.index
+                        if choice in done:
+                            continue
+                        start_char = sent_chars.get(choice, 0)
+                        start_token = sent_tokens.get(choice, 0)
+                        has_new = len(out.token_ids) > start_token or out.finish_reason is not None
+                        # With echo, the prompt goes out first, once its logprobs (if
+                        # asked for) are complete.
+                        echo_ready = (
+                            req.echo
+                            and choice not in sent_chars
+                            and (req.logprobs is None or output.prompt_logprobs is not None)
+                        )
+                        if not has_new and not echo_ready:
+                            continue
+                        text, logprobs = choice_payload(index, output, out, start_char, start_token)
+                        sent_chars[choice] = len(out.text)
+                        sent_tokens[choice] = len(out.token_ids)
+                        if out.finish_reason is not None:
+                            done.add(choice)
                         chunk = CompletionResponse(
                             id=request_id,
                             created=created,
                             model=model_name,
-                            choices=[],
-                            usage=usage,
+                            choices=[
+                                CompletionChoice(
+                                    index=choice,
+                                    text=text,
+                                    logprobs=logprobs,
+                                    finish_reason=out.finish_reason,
+                                    stop_reason=out.stop_reason,
+                                )
+                            ],
                         )
-                        yield _sse(chunk)
-                except Exception as exc:  # noqa: BLE001 - reported in the stream
-                    logger.warning("completion stream %s failed: %s", request_id, exc)
-                    yield _sse_error(exc)
-                finally:
-                    _abort_all(streams)
-                yield "data: [DONE]\n\n"
+                        yield _sse(chunk, exclude)
+                if include_usage:
+                    usage = _usage(sum(prompt_tokens), sum(sent_tokens.values()))
+                    chunk = CompletionResponse(
+                        id=request_id,
+                        created=created,
+                        model=model_name,
+                        choices=[],
+                        usage=usage,
+                    )
+                    yield _sse(chunk)
 
-            return streaming_response(events(), streams)
+            return streaming_response(request_id, events(), streams)
 
-        try:
-            finals = await _unless_disconnected(raw, collect(streams, timing))
-        except _ClientGone:
-            return Response(status_code=499)
-        finally:
-            _abort_all(streams)
+        finals = await collect_final(raw, streams, timing)
+        if finals is None:
+            return Response(status_code=499)  # nobody is listening
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for index, output in enumerate(finals):
             assert output is not None
@@ -886,61 +894,49 @@ def build_app(
                 sent_chars: dict[int, int] = {}
                 sent_tokens: dict[int, int] = {}
                 done: set[int] = set()
-                try:
-                    for i in range(req.n):
+                for i in range(req.n):
+                    yield chunk(
+                        ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                    )
+                async for _, output in _merge(streams):
+                    timing.observe(0, output)
+                    for out in output.outputs:
+                        if out.index in done:
+                            continue
+                        start_char = sent_chars.get(out.index, 0)
+                        start_token = sent_tokens.get(out.index, 0)
+                        if len(out.token_ids) == start_token and out.finish_reason is None:
+                            continue
+                        sent_chars[out.index] = len(out.text)
+                        sent_tokens[out.index] = len(out.token_ids)
+                        if out.finish_reason is not None:
+                            done.add(out.index)
                         yield chunk(
                             ChatChunkChoice(
-                                index=i, delta=DeltaMessage(role="assistant", content="")
+                                index=out.index,
+                                delta=DeltaMessage(content=out.text[start_char:]),
+                                logprobs=logprobs_of(out, start_token),
+                                finish_reason=out.finish_reason,
+                                stop_reason=out.stop_reason,
                             )
                         )
-                    async for _, output in _merge(streams):
-                        timing.observe(0, output)
-                        for out in output.outputs:
-                            if out.index in done:
-                                continue
-                            start_char = sent_chars.get(out.index, 0)
-                            start_token = sent_tokens.get(out.index, 0)
-                            if len(out.token_ids) == start_token and out.finish_reason is None:
-                                continue
-                            sent_chars[out.index] = len(out.text)
-                            sent_tokens[out.index] = len(out.token_ids)
-                            if out.finish_reason is not None:
-                                done.add(out.index)
-                            yield chunk(
-                                ChatChunkChoice(
-                                    index=out.index,
-                                    delta=DeltaMessage(content=out.text[start_char:]),
-                                    logprobs=logprobs_of(out, start_token),
-                                    finish_reason=out.finish_reason,
-                                    stop_reason=out.stop_reason,
-                                )
-                            )
-                    if include_usage:
-                        usage = _usage(len(prompt_ids), sum(sent_tokens.values()))
-                        yield _sse(
-                            ChatCompletionChunk(
-                                id=request_id,
-                                created=created,
-                                model=model_name,
-                                choices=[],
-                                usage=usage,
-                            )
+                if include_usage:
+                    usage = _usage(len(prompt_ids), sum(sent_tokens.values()))
+                    yield _sse(
+                        ChatCompletionChunk(
+                            id=request_id,
+                            created=created,
+                            model=model_name,
+                            choices=[],
+                            usage=usage,
                         )
-                except Exception as exc:  # noqa: BLE001 - reported in the stream
-                    logger.warning("chat stream %s failed: %s", request_id, exc)
-                    yield _sse_error(exc)
-                finally:
-                    _abort_all(streams)
-                yield "data: [DONE]\n\n"
+                    )
 
-            return streaming_response(events(), streams)
+            return streaming_response(request_id, events(), streams)
 
-        try:
-            finals = await _unless_disconnected(raw, collect(streams, timing))
-        except _ClientGone:
-            return Response(status_code=499)
-        finally:
-            _abort_all(streams)
+        finals = await collect_final(raw, streams, timing)
+        if finals is None:
+            return Response(status_code=499)  # nobody is listening
         output = finals[0]
         assert output is not None
         choices = [
