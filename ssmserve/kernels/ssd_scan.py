@@ -284,6 +284,19 @@ def _ssd_scan_kernel(
     tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask_pn)
 
 
+def _launch_config(
+    x: torch.Tensor, S: int, H: int, P: int, N: int, chunk_size: int
+) -> dict[str, Any]:
+    """Block sizes and launch options (benchmarks/kernels/bench_kernels.py sweeps these)."""
+    chunk = max(16, min(64, prev_pow2(chunk_size)))
+    block_p = min(64, max(16, next_pow2(P)))
+    # Few (sequence, head) pairs leave SMs idle: split P to get more programs.
+    if x.is_cuda and S * H * triton.cdiv(P, block_p) < 2 * num_sms(x.device) and block_p > 16:
+        block_p //= 2
+    num_warps = 8 if block_p * next_pow2(N) >= 8192 else 4
+    return {"chunk": chunk, "block_p": block_p, "num_warps": num_warps, "num_stages": 2}
+
+
 def _dot_config(dtype: torch.dtype) -> tuple[Any, str, str]:
     """(dtype of intra-chunk dot operands, its precision, precision of state dots)."""
     if dtype == torch.float32 or interpret_mode():
@@ -327,16 +340,13 @@ def ssd_scan_varlen_triton(
     y = torch.empty_like(x)
     if S == 0:
         return y
-    chunk = max(16, min(64, prev_pow2(chunk_size)))
-    block_n = next_pow2(N)
-    block_p = min(64, max(16, next_pow2(P)))
-    # Few (sequence, head) pairs leave SMs idle: split P to get more programs.
-    if x.is_cuda and S * H * triton.cdiv(P, block_p) < 2 * num_sms(x.device) and block_p > 16:
-        block_p //= 2
+    cfg = _launch_config(x, S, H, P, N, chunk_size)
     dot_dtype, dot_precision, state_precision = _dot_config(x.dtype)
+    if cfg.get("state_precision") and not interpret_mode() and x.dtype != torch.float32:
+        state_precision = cfg["state_precision"]
     lo, hi = dt_limit
     z_strides = z.stride() if z is not None else (0, 0, 0)
-    grid = (S, H, triton.cdiv(P, block_p))
+    grid = (S, H, triton.cdiv(P, cfg["block_p"]))
     _ssd_scan_kernel[grid](
         x, dt, A, B, C, D, z, dt_bias, y, ssm_state,
         cu_seqlens, state_slots, has_initial_state.to(torch.int8),
@@ -345,8 +355,8 @@ def ssd_scan_varlen_triton(
         *ssm_state.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None,
         DT_SOFTPLUS=dt_softplus, CLAMP_DT=lo > 0.0 or hi < math.inf,
-        CHUNK=chunk, BLOCK_P=block_p, BLOCK_N=block_n,
+        CHUNK=cfg["chunk"], BLOCK_P=cfg["block_p"], BLOCK_N=next_pow2(N),
         DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, STATE_PRECISION=state_precision,
-        num_warps=8 if block_p * block_n >= 8192 else 4, num_stages=2,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return y

@@ -196,6 +196,13 @@ def _state_update_kernel(
              y.to(y_ptr.dtype.element_ty), mask=mask_p)  # fmt: skip
 
 
+def _launch_config(P: int, block_n: int) -> dict[str, int]:
+    """Block sizes (benchmarks/kernels/bench_kernels.py sweeps these)."""
+    # ~2k state elements per program: enough bytes in flight per SM at large batch,
+    # and enough programs at batch 1 to cover the SMs.
+    return {"block_p": min(next_pow2(P), max(1, 2048 // block_n)), "num_warps": 4}
+
+
 def _tied_over_p(t: torch.Tensor | None, dims: tuple[int, ...]) -> bool:
     return t is None or all(t.stride(d) == 0 for d in dims)
 
@@ -229,9 +236,8 @@ def selective_state_update_triton(
         and _tied_over_p(D, (1,)) and _tied_over_p(dt_bias, (1,))
     )  # fmt: skip
     block_n = next_pow2(N)
-    # ~2k state elements per program: enough bytes in flight per SM at large batch,
-    # and enough programs at batch 1 to cover the SMs.
-    block_p = min(next_pow2(P), max(1, 2048 // block_n))
+    cfg = _launch_config(P, block_n)
+    block_p = cfg["block_p"]
     lo, hi = dt_limit
     zeros3 = (0, 0, 0)
     grid = (triton.cdiv(P, block_p), H, Bt)
@@ -245,6 +251,6 @@ def selective_state_update_triton(
         *y.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None,
         DT_SOFTPLUS=dt_softplus, CLAMP_DT=lo > 0.0 or hi < math.inf, TIED=tied,
-        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4,
+        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=cfg["num_warps"],
     )  # fmt: skip
     return y
