@@ -262,14 +262,19 @@ def sweep_ssd() -> None:
     original = ssd_mod._launch_config
     T = 1024 if OPTS.smoke else 32768
     variants = [
-        dict(chunk=64, block_p=32, num_warps=4, num_stages=2),
-        dict(chunk=64, block_p=32, num_warps=8, num_stages=2),
-        dict(chunk=64, block_p=64, num_warps=8, num_stages=2),
-        dict(chunk=64, block_p=16, num_warps=4, num_stages=2),
-        dict(chunk=32, block_p=32, num_warps=4, num_stages=2),
-        dict(chunk=128, block_p=32, num_warps=8, num_stages=2),
-        dict(chunk=64, block_p=32, num_warps=4, num_stages=3),
-        dict(chunk=64, block_p=32, num_warps=4, num_stages=2, state_precision="ieee"),
+        dict(chunk=c, block_p=p, num_warps=w, num_stages=st)
+        for c, p, w, st in [
+            (32, 32, 4, 2),
+            (16, 32, 4, 2),
+            (16, 16, 4, 2),
+            (32, 16, 4, 2),
+            (32, 64, 4, 2),
+            (32, 32, 2, 2),
+            (16, 64, 4, 2),
+            (32, 32, 4, 3),
+            (16, 32, 2, 3),
+            (32, 64, 8, 2),
+        ]
     ]
     try:
         for name, H, P, N, G, _ in MODELS:
@@ -625,7 +630,7 @@ def main() -> None:
         ("time", time_conv),
         ("others", check_others),
         ("sweep", sweep_ssd),
-        ("sweep", sweep_state_update),
+        ("sweep_su", sweep_state_update),
     ]:
         if section(name):
             guarded(fn)
