@@ -437,6 +437,9 @@ class _Timing:
 
     def observe(self, stream_index: int, output: RequestOutput) -> None:
         now = time.monotonic()
+        if output.finished:
+            for out in output.outputs:
+                self.metrics.requests_finished.labels(out.finish_reason or "abort").inc()
         new = 0
         for out in output.outputs:
             key = (stream_index, out.index)
@@ -452,9 +455,6 @@ class _Timing:
             for _ in range(new):
                 self.metrics.inter_token_latency.observe((now - last) / new)
         self.last[stream_index] = now
-        if output.finished:
-            for out in output.outputs:
-                self.metrics.requests_finished.labels(out.finish_reason or "abort").inc()
 
 
 class _EventStreamResponse(StreamingResponse):
@@ -718,39 +718,41 @@ def build_app(
             )
 
         def choice_payload(
-            index: int, output: RequestOutput, out: Any, start_char: int, start_token: int
-        ) -> tuple[str, CompletionLogprobs | None]:
-            echo = req.echo and start_token == 0 and start_char == 0
+            index: int,
+            output: RequestOutput,
+            out: Any,
+            start_char: int,
+            start_token: int,
+            offset: int,
+            first: bool,
+        ) -> tuple[str, CompletionLogprobs | None, int]:
+            """Text and logprobs of `out` from the given positions, and the next text_offset.
+
+            The `first` payload of a choice carries the echoed prompt."""
             text = out.text[start_char:]
-            logprobs = None
-            offset = 0
-            if echo:
-                prefix = prompt_text(index, output)
-                text = prefix + text
-            if req.logprobs is not None:
-                logprobs = CompletionLogprobs()
-                if echo and output.prompt_logprobs is not None:
-                    offset = _legacy_logprobs(
-                        output.prompt_token_ids,
-                        output.prompt_logprobs,
-                        req.logprobs,
-                        tokenizer,
-                        0,
-                        logprobs,
-                    )
-                elif echo:
-                    offset = len(prefix)
-                else:
-                    offset = start_char
-                _legacy_logprobs(
-                    out.token_ids[start_token:],
-                    (out.logprobs or [])[start_token:],
+            if req.echo and first:
+                text = prompt_text(index, output) + text
+            if req.logprobs is None:
+                return text, None, offset
+            logprobs = CompletionLogprobs()
+            if req.echo and first and output.prompt_logprobs is not None:
+                offset = _legacy_logprobs(
+                    output.prompt_token_ids,
+                    output.prompt_logprobs,
                     req.logprobs,
                     tokenizer,
                     offset,
                     logprobs,
                 )
-            return text, logprobs
+            offset = _legacy_logprobs(
+                out.token_ids[start_token:],
+                (out.logprobs or [])[start_token:],
+                req.logprobs,
+                tokenizer,
+                offset,
+                logprobs,
+            )
+            return text, logprobs, offset
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -759,6 +761,7 @@ def build_app(
             async def events() -> AsyncIterator[str]:
                 sent_chars: dict[int, int] = {}
                 sent_tokens: dict[int, int] = {}
+                offsets: dict[int, int] = {}  # next text_offset per choice
                 done: set[int] = set()
                 prompt_tokens = [0] * len(streams)
                 async for index, output in _merge(streams):
@@ -780,7 +783,15 @@ def build_app(
                         )
                         if not has_new and not echo_ready:
                             continue
-                        text, logprobs = choice_payload(index, output, out, start_char, start_token)
+                        text, logprobs, offsets[choice] = choice_payload(
+                            index,
+                            output,
+                            out,
+                            start_char,
+                            start_token,
+                            offsets.get(choice, 0),
+                            first=choice not in sent_chars,
+                        )
                         sent_chars[choice] = len(out.text)
                         sent_tokens[choice] = len(out.token_ids)
                         if out.finish_reason is not None:
@@ -822,7 +833,7 @@ def build_app(
             prompt_tokens += len(output.prompt_token_ids)
             for out in output.outputs:
                 completion_tokens += len(out.token_ids)
-                text, logprobs = choice_payload(index, output, out, 0, 0)
+                text, logprobs, _ = choice_payload(index, output, out, 0, 0, 0, first=True)
                 choices.append(
                     CompletionChoice(
                         index=index * req.n + out.index,

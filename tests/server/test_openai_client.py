@@ -153,6 +153,28 @@ def test_completion_echo_logprobs_cover_the_prompt(client, engine):
     assert r.choices[0].text.startswith(prompt)
 
 
+def test_stream_echo_sends_the_prompt_once(client):
+    common = dict(
+        model=MODEL_NAME,
+        prompt="def fib(n):",
+        max_tokens=6,
+        temperature=0,
+        echo=True,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
+    full = client.completions.create(**common).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **common)]
+    assert "".join(c.text for c in chunks) == full.text
+    tokens = [t for c in chunks for t in c.logprobs.tokens]
+    offsets = [o for c in chunks for o in c.logprobs.text_offset]
+    assert tokens == full.logprobs.tokens and offsets == full.logprobs.text_offset
+    # Without logprobs too.
+    del common["logprobs"]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **common)]
+    assert "".join(c.text for c in chunks) == full.text
+
+
 def test_chat(client):
     r = client.chat.completions.create(
         model=MODEL_NAME,
