@@ -19,7 +19,6 @@ from ssmserve.config import EngineConfig
 from ssmserve.engine.engine import LLMEngine
 from ssmserve.server.api import build_app
 from ssmserve.server.async_engine import AsyncLLMEngine
-from tests.tiny_models import make_tiny_checkpoint
 
 MODEL_NAME = "tiny-bamba"
 MAX_MODEL_LEN = 512
@@ -98,14 +97,15 @@ class ServerThread:
 
 
 @pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory) -> str:
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "bamba"), "bamba", seed=0)
+def bamba_checkpoint(checkpoint) -> str:
+    """The tiny Bamba of tests/conftest.py (attention + Mamba2 layers)."""
+    return checkpoint("bamba")
 
 
 @pytest.fixture(scope="session")
-def checkpoint_without_chat_template(checkpoint, tmp_path_factory) -> str:
+def checkpoint_without_chat_template(bamba_checkpoint, tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("ckpt") / "bamba-no-template")
-    shutil.copytree(checkpoint, path)
+    shutil.copytree(bamba_checkpoint, path)
     template_file = os.path.join(path, "chat_template.jinja")
     if os.path.exists(template_file):
         os.remove(template_file)
@@ -119,9 +119,9 @@ def checkpoint_without_chat_template(checkpoint, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def engine(checkpoint):
+def engine(bamba_checkpoint):
     """The engine behind the shared server (tests may read its tokenizer, never step it)."""
-    return make_engine(checkpoint)
+    return make_engine(bamba_checkpoint)
 
 
 @pytest.fixture(scope="session")

@@ -22,8 +22,8 @@ async def _wait_idle(async_engine: AsyncLLMEngine, timeout: float = 3.0) -> dict
         await asyncio.sleep(0.01)
 
 
-def test_generate_isolation_and_early_exit(checkpoint):
-    engine = make_engine(checkpoint)
+def test_generate_isolation_and_early_exit(bamba_checkpoint):
+    engine = make_engine(bamba_checkpoint)
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompt = "def fib(n):"
 
@@ -69,8 +69,8 @@ def test_generate_isolation_and_early_exit(checkpoint):
     asyncio.run(main())
 
 
-def test_step_crash_fails_every_waiter(checkpoint):
-    engine = make_engine(checkpoint)
+def test_step_crash_fails_every_waiter(bamba_checkpoint):
+    engine = make_engine(bamba_checkpoint)
     real_step = engine.step
 
     def crashing_step():

@@ -26,13 +26,13 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 
 
 @pytest.fixture(scope="module")
-def served_process(checkpoint):
+def served_process(bamba_checkpoint):
     port = free_port()
     cmd = [
         sys.executable,
         "-m",
         "ssmserve.server.cli",
-        checkpoint,
+        bamba_checkpoint,
         "--port",
         str(port),
         "--device",
@@ -115,7 +115,7 @@ def test_sigterm_lets_in_flight_stream_finish_then_exits(served_process):
                     lines.append(line)
                     first_chunk.set()
 
-    # The served name is the checkpoint path as given; the test asks for that.
+    # The served name is the bamba_checkpoint path as given; the test asks for that.
     body["model"] = httpx.get(base_url + "/v1/models").json()["data"][0]["id"]
     reader = threading.Thread(target=stream)
     reader.start()
@@ -130,8 +130,8 @@ def test_sigterm_lets_in_flight_stream_finish_then_exits(served_process):
         httpx.get(base_url + "/health", timeout=2)
 
 
-def test_shutdown_timeout_aborts_what_is_left(checkpoint):
-    engine = make_engine(checkpoint)
+def test_shutdown_timeout_aborts_what_is_left(bamba_checkpoint):
+    engine = make_engine(bamba_checkpoint)
     real_step = engine.step
 
     def slow_step():

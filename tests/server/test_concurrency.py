@@ -39,18 +39,23 @@ def _requests():
 def _offline(checkpoint, requests):
     """The same requests through the offline API (`LLM.generate` / `LLM.chat`)."""
     llm = LLM(checkpoint, **engine_kwargs())
-    results = []
-    for kind, prompt, max_tokens in requests:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    results = {}
+    for kind in ("completion", "chat"):
+        mine = [(i, r) for i, r in enumerate(requests) if r[0] == kind]
+        params = [
+            SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            for _, (_, _, max_tokens) in mine
+        ]
         run = llm.chat if kind == "chat" else llm.generate
-        (output,) = run(prompt, params)
-        results.append((output.outputs[0].text, len(output.prompt_token_ids)))
-    return results
+        outputs = run([prompt for _, (_, prompt, _) in mine], params)
+        for (i, _), output in zip(mine, outputs, strict=True):
+            results[i] = (output.outputs[0].text, len(output.prompt_token_ids))
+    return [results[i] for i in range(len(requests))]
 
 
-def test_32_concurrent_streams_match_offline(server, checkpoint):
+def test_32_concurrent_streams_match_offline(server, bamba_checkpoint):
     requests = _requests()
-    expected = _offline(checkpoint, requests)
+    expected = _offline(bamba_checkpoint, requests)
     client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
 
     async def one(kind, prompt, max_tokens):

@@ -198,8 +198,8 @@ def test_bad_requests_do_not_disturb_a_running_stream(server):
     assert texts == [expected]
 
 
-def test_engine_crash_fails_requests_with_500_and_health_503(checkpoint):
-    engine = make_engine(checkpoint)
+def test_engine_crash_fails_requests_with_500_and_health_503(bamba_checkpoint):
+    engine = make_engine(bamba_checkpoint)
     real_step = engine.step
 
     def step_that_crashes():
