@@ -31,7 +31,8 @@ def served_process(bamba_checkpoint):
     cmd = [
         sys.executable,
         "-m",
-        "ssmserve.server.cli",
+        "ssmserve.cli",
+        "serve",
         bamba_checkpoint,
         "--port",
         str(port),
