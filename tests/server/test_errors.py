@@ -238,3 +238,12 @@ def test_engine_crash_fails_requests_with_500_and_health_503(bamba_checkpoint):
         r = httpx.post(srv.base_url + "/v1/completions", json={**body, "stream": True})
         _assert_error(r, 500)
         _assert_error(httpx.get(srv.base_url + "/health"), 503)
+
+
+def test_non_text_content_is_400(server):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    r = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        json={"model": MODEL_NAME, "messages": [{"role": "user", "content": [image]}]},
+    )
+    assert "image_url" in _assert_error(r, 400, "messages")

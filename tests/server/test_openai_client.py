@@ -366,3 +366,11 @@ def test_metrics(server, client):
     assert grew("time_to_first_token_seconds_count") == 1
     assert grew("inter_token_latency_seconds_count") == 4
     assert after["ssmserve:kv_blocks_total"] > 0 and after["ssmserve:state_slots_total"] > 0
+
+
+def test_chat_content_parts_equal_plain_text(client):
+    common = dict(model=MODEL_NAME, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(messages=CHAT, **common)
+    parts = [{"type": "text", "text": "def hello"}, {"type": "text", "text": "(name):"}]
+    split = client.chat.completions.create(messages=[{"role": "user", "content": parts}], **common)
+    assert split.choices[0].message.content == plain.choices[0].message.content
