@@ -123,6 +123,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     mamba_ssm_cache_dtype: str = "float32"
     kernel_backend: str = "auto"
+    load_format: str = "auto"
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -139,6 +140,11 @@ class EngineConfig:
         if self.kernel_backend not in ("auto", "triton", "torch"):
             raise ValueError(
                 f"kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}"
+            )
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(
+                f"load_format must be auto (the checkpoint's safetensors) or dummy (random "
+                f"weights, for benchmarks), got {self.load_format!r}"
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
@@ -193,6 +199,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--mamba-ssm-cache-dtype", default="float32", choices=STATE_DTYPES,
                    help="dtype of the SSM state (float32 keeps long outputs exact)")
     g.add_argument("--kernel-backend", default="auto", choices=("auto", "triton", "torch"))
+    g.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="dummy = random weights of the right shapes (benchmarks)")
     g.add_argument("--seed", type=int, default=0)
     return parser
 

@@ -80,3 +80,25 @@ def load_weights(model: CausalLM, path: str) -> None:
             "check that config.json and the weights come from the same model"
         )
     model.tie_weights_if_needed()
+
+
+@torch.no_grad()
+def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
+    """Random weights at real scale (`load_format="dummy"`): for speed and memory work,
+    where weight values do not matter. Deterministic for a given seed and device."""
+    gen = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("A_log"):
+            # Decays exp(-dt * exp(A_log)) in a sane range, as trained SSMs have.
+            param.copy_(torch.rand(param.shape, generator=gen, device=param.device).mul(3))
+        elif name.endswith("dt_bias") or name.endswith("dt_proj.bias"):
+            param.uniform_(-4.0, -2.0, generator=gen)
+        elif leaf == "D" or "norm" in name:
+            param.fill_(1.0)
+        elif leaf == "bias":
+            param.zero_()
+        else:
+            fan_in = param.shape[-1] if param.ndim > 1 else 1
+            param.normal_(0.0, 1.0 / fan_in**0.5 if param.ndim > 1 else 0.02, generator=gen)
+    model.tie_weights_if_needed()

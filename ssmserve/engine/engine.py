@@ -23,7 +23,7 @@ from ssmserve.engine.detokenizer import IncrementalDetokenizer, find_stop
 from ssmserve.engine.model_runner import ModelRunner
 from ssmserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from ssmserve.kernels import get_ops
-from ssmserve.loader import load_weights
+from ssmserve.loader import init_dummy_weights, load_weights
 from ssmserve.models.registry import model_class
 from ssmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ssmserve.sampling_params import SamplingParams
@@ -124,7 +124,10 @@ class LLMEngine:
                 model = cls(self.model_config.hf_config, ops)
         finally:
             torch.set_default_dtype(default_dtype)
-        load_weights(model, path)
+        if self.config.load_format == "dummy":
+            init_dummy_weights(model, self.config.seed)
+        else:
+            load_weights(model, path)
         return model.eval()
 
     def _setup_caches(self) -> None:

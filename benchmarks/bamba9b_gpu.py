@@ -1,0 +1,255 @@
+"""Bamba-9B-sized model with random weights on one GPU, through the Triton kernels.
+
+1. Correctness: logprobs of a short prompt and a greedy continuation, Triton path against
+   the PyTorch-twin path on the same (seeded) random weights.
+2. Speed: a 32k-token prefill, 128 decode steps after it, batch-1 decode on a short
+   context, and batch-64 decode; each next to its floor.
+
+    python benchmarks/bamba9b_gpu.py --out results.json          # on the GPU
+    python benchmarks/bamba9b_gpu.py --tiny                       # a smoke run on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import subprocess
+import tempfile
+import time
+import traceback
+
+import torch
+
+from ssmserve.config import EngineConfig
+from ssmserve.engine.engine import LLMEngine
+from ssmserve.sampling_params import SamplingParams
+
+BAMBA_9B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, attn_layer_indices=[9, 18, 27],
+    mamba_n_heads=128, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4,
+    mamba_expand=2, mamba_chunk_size=256, max_position_embeddings=262144,
+    tie_word_embeddings=False, rms_norm_eps=1e-5,
+)
+TINY = dict(BAMBA_9B, vocab_size=512, hidden_size=64, intermediate_size=96,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16)
+
+
+def make_folder(cfg: dict) -> str:
+    """config.json (+ a word-level tokenizer covering the vocabulary) for dummy weights."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = tempfile.mkdtemp(prefix="bamba9b-")
+    transformers.BambaConfig(**cfg, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+                             architectures=["BambaForCausalLM"], dtype="bfloat16"
+                             ).save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(cfg["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1").save_pretrained(
+        path)
+    return path
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def drain(engine: LLMEngine) -> list:
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [o for o in engine.step() if o.finished]
+    return finals
+
+
+def ids(n: int, vocab: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    return {"prompt_token_ids": [rng.randrange(2, vocab) for _ in range(n)]}
+
+
+def correctness(path: str, vocab: int, device: str, dtype: str) -> dict:
+    prompt = ids(200, vocab, 1)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0,
+                            logprobs=0)
+    results = {}
+    for backend in ("torch", "triton"):
+        engine = LLMEngine(EngineConfig(model=path, load_format="dummy", device=device,
+                                        dtype=dtype, kernel_backend=backend,
+                                        max_num_batched_tokens=512, max_model_len=4096,
+                                        cache_memory=2 * 2**30, max_num_seqs=4))
+        engine.add_request("c", prompt, params)
+        results[backend] = drain(engine)[0]
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    ref, got = results["torch"], results["triton"]
+    tgt = prompt["prompt_token_ids"]
+    diffs = [abs(ref.prompt_logprobs[i][tgt[i]].logprob - got.prompt_logprobs[i][tgt[i]].logprob)
+             for i in range(1, len(tgt))]
+    a, b = ref.outputs[0].token_ids, got.outputs[0].token_ids
+    agree = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+    return {
+        "prompt_logprob_max_abs_diff": max(diffs),
+        "prompt_logprob_mean_abs_diff": sum(diffs) / len(diffs),
+        "greedy_tokens_agreeing_before_first_difference": agree,
+        "greedy_tokens": len(a),
+    }
+
+
+def speed(path: str, vocab: int, device: str, dtype: str, prefill: int) -> dict:
+    out = {}
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=path, load_format="dummy", device=device, dtype=dtype,
+                                    kernel_backend="auto", max_num_batched_tokens=prefill,
+                                    max_model_len=prefill + 1024, max_num_seqs=128))
+    out["engine_start_s"] = round(time.perf_counter() - t0, 1)
+    out["cache"] = engine.stats()
+    engine.add_request("warm", ids(min(1024, prefill), vocab, 2),
+                       SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
+    drain(engine)
+
+    # One long prefill: the first step computes all `prefill` tokens and samples one.
+    engine.add_request("long", ids(prefill, vocab, 3),
+                       SamplingParams(max_tokens=129, ignore_eos=True, temperature=0))
+    sync()
+    t = time.perf_counter()
+    engine.step()
+    sync()
+    out["prefill_tokens"] = prefill
+    out["prefill_s"] = round(time.perf_counter() - t, 4)
+    steps = []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        sync()
+        steps.append(time.perf_counter() - t)
+    steps.sort()
+    out["decode_after_long_prefill_ms_median"] = round(1e3 * steps[len(steps) // 2], 2)
+    out["decode_steps"] = len(steps)
+
+    for batch in (1, 64):
+        for i in range(batch):
+            engine.add_request(f"b{batch}-{i}", ids(512, vocab, 10 + i),
+                               SamplingParams(max_tokens=65, ignore_eos=True, temperature=0))
+        engine.step()  # the prefills
+        sync()
+        times = []
+        while engine.has_unfinished_requests():
+            t = time.perf_counter()
+            engine.step()
+            sync()
+            times.append(time.perf_counter() - t)
+        times.sort()
+        med = times[len(times) // 2]
+        out[f"decode_batch{batch}_ms_per_step_median"] = round(1e3 * med, 2)
+        out[f"decode_batch{batch}_tokens_per_s"] = round(batch / med, 1)
+    out["stats_after"] = engine.stats()
+    return out
+
+
+def kernel_timings() -> dict:
+    """State update under CUDA-graph replay (no launch overhead) and the SSD scan at 32k."""
+    import triton.testing
+
+    from ssmserve.kernels import get_ops
+
+    ops = get_ops("triton", "cuda")
+    dev, bf = "cuda", torch.bfloat16
+    H, P, N, G = 128, 64, 128, 1
+    out = {}
+    state = torch.randn(256, H, P, N, device=dev)
+    A = -torch.rand(H, device=dev)
+    for batch in (1, 256):
+        x = torch.randn(batch, H, P, device=dev, dtype=bf)
+        dt = torch.randn(batch, H, device=dev, dtype=bf)[:, :, None].expand(batch, H, P)
+        Bm = torch.randn(batch, G, N, device=dev, dtype=bf)
+        Cm = torch.randn(batch, G, N, device=dev, dtype=bf)
+        D = torch.randn(H, device=dev)[:, None].expand(H, P)
+        dt_bias = torch.randn(H, device=dev)[:, None].expand(H, P)
+        slots = torch.arange(batch, device=dev)
+
+        def call():
+            return ops.selective_state_update(
+                state, x, dt, A[:, None, None].expand(H, P, N), Bm, Cm, D,
+                dt_bias=dt_bias, dt_softplus=True, state_slots=slots)
+
+        for _ in range(3):
+            call()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(20):
+                call()
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(50):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        us = start.elapsed_time(end) * 1e3 / (50 * 20)
+        floor_us = batch * H * P * N * 4 * 2 / 4.23e12 * 1e6
+        out[f"state_update_graph_batch{batch}_us"] = round(us, 2)
+        out[f"state_update_batch{batch}_floor_us"] = round(floor_us, 2)
+    T = 32768
+    x = torch.randn(T, H, P, device=dev, dtype=bf)
+    dt = torch.randn(T, H, device=dev, dtype=bf)
+    Bm = torch.randn(T, G, N, device=dev, dtype=bf)
+    Cm = torch.randn(T, G, N, device=dev, dtype=bf)
+    D = torch.randn(H, device=dev)
+    pool = torch.zeros(1, H, P, N, device=dev)
+    cu = torch.tensor([0, T], device=dev, dtype=torch.int32)
+    ms = triton.testing.do_bench(lambda: ops.ssd_scan_varlen(
+        x, dt, A, Bm, Cm, D, cu_seqlens=cu, ssm_state=pool,
+        state_slots=torch.zeros(1, dtype=torch.long, device=dev),
+        has_initial_state=torch.zeros(1, dtype=torch.bool, device=dev),
+        dt_bias=torch.randn(H, device=dev)), return_mode="median")
+    out["ssd_scan_32k_bamba9b_ms"] = round(ms, 3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true", help="small config on CPU (smoke test)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--prefill", type=int, default=32768)
+    args = ap.parse_args()
+    cfg = TINY if args.tiny else BAMBA_9B
+    device = "cpu" if args.tiny else "cuda"
+    dtype = "float32" if args.tiny else "bfloat16"
+    prefill = 256 if args.tiny else args.prefill
+    path = make_folder(cfg)
+    report = {"date": time.strftime("%Y-%m-%d"), "config": "tiny" if args.tiny else "Bamba-9B",
+              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "torch": torch.__version__}
+    try:
+        report["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                          text=True).stdout.strip()
+    except OSError:
+        pass
+    sections = [("correctness", lambda: correctness(path, cfg["vocab_size"], device, dtype)),
+                ("speed", lambda: speed(path, cfg["vocab_size"], device, dtype, prefill))]
+    if device == "cuda":
+        sections.insert(0, ("kernels", kernel_timings))
+    for name, fn in sections:
+        try:
+            t = time.perf_counter()
+            report[name] = fn()
+            report[name]["wall_s"] = round(time.perf_counter() - t, 1)
+        except Exception:  # noqa: BLE001 - report and go on to the next section
+            report[name] = {"error": traceback.format_exc()}
+        print(name, json.dumps(report[name], indent=1), flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
