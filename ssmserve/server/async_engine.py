@@ -11,7 +11,6 @@ that touches the engine runs on the step thread.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
@@ -86,7 +85,6 @@ class AsyncLLMEngine:
         self._pending: set[asyncio.Future] = set()
         self._dead: EngineDeadError | None = None
         self._stats: dict[str, int] = dict(engine.stats())
-        self._ids = itertools.count()
 
     @classmethod
     def from_config(cls, config: Any) -> AsyncLLMEngine:
@@ -116,10 +114,6 @@ class AsyncLLMEngine:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
         self._fail_pending(EngineDeadError("the server is shutting down"))
-
-    @property
-    def is_running(self) -> bool:
-        return self._thread is not None and self._dead is None
 
     @property
     def dead_error(self) -> EngineDeadError | None:
@@ -167,9 +161,6 @@ class AsyncLLMEngine:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.abort()
-
-    def new_request_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids)}"
 
     # ----------------------------------------------------------------- event-loop side
 
