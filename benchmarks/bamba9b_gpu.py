@@ -228,11 +228,10 @@ def main() -> None:
     report = {"date": time.strftime("%Y-%m-%d"), "config": "tiny" if args.tiny else "Bamba-9B",
               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__}
-    try:
-        report["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                          text=True).stdout.strip()
-    except OSError:
-        pass
+    # The device copy of the tree may have no usable .git: pass SSMSERVE_COMMIT there.
+    report["commit"] = os.environ.get("SSMSERVE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     sections = [("correctness", lambda: correctness(path, cfg["vocab_size"], device, dtype)),
                 ("speed", lambda: speed(path, cfg["vocab_size"], device, dtype, prefill))]
     if device == "cuda":
