@@ -73,33 +73,44 @@ def ids(n: int, vocab: int, seed: int) -> dict:
     return {"prompt_token_ids": [rng.randrange(2, vocab) for _ in range(n)]}
 
 
+def _prompt_logprobs(engine: LLMEngine, prompt: dict, params: SamplingParams):
+    engine.add_request("c", prompt, params)
+    out = drain(engine)[0]
+    tgt = prompt["prompt_token_ids"]
+    lps = [out.prompt_logprobs[i][tgt[i]].logprob for i in range(1, len(tgt))]
+    return lps, out.outputs[0].token_ids
+
+
 def correctness(path: str, vocab: int, device: str, dtype: str) -> dict:
+    """Logprobs of a 200-token prompt: the Triton and the PyTorch-twin paths at `dtype`,
+    each against a float32 PyTorch-twin run on the same weights (rounded to `dtype`)."""
     prompt = ids(200, vocab, 1)
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0,
-                            logprobs=0)
-    results = {}
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    common = dict(model=path, load_format="dummy", device=device, max_num_batched_tokens=512,
+                  max_model_len=4096, cache_memory=2 * 2**30, max_num_seqs=4,
+                  enforce_eager=True)
+    ref_engine = LLMEngine(EngineConfig(dtype="float32", kernel_backend="torch", **common))
+    ref_lps, ref_tokens = _prompt_logprobs(ref_engine, prompt, params)
+    ref_params = dict(ref_engine.model.named_parameters())
+    report = {}
     for backend in ("torch", "triton"):
-        engine = LLMEngine(EngineConfig(model=path, load_format="dummy", device=device,
-                                        dtype=dtype, kernel_backend=backend,
-                                        max_num_batched_tokens=512, max_model_len=4096,
-                                        cache_memory=2 * 2**30, max_num_seqs=4))
-        engine.add_request("c", prompt, params)
-        results[backend] = drain(engine)[0]
+        engine = LLMEngine(EngineConfig(dtype=dtype, kernel_backend=backend, **common))
+        with torch.no_grad():
+            for name, p in engine.model.named_parameters():
+                p.copy_(ref_params[name])
+        lps, tokens = _prompt_logprobs(engine, prompt, params)
+        diffs = [abs(a - b) for a, b in zip(lps, ref_lps)]
+        agree = next((i for i, (x, y) in enumerate(zip(tokens, ref_tokens)) if x != y),
+                     len(tokens))
+        report[f"{backend}_{dtype}_vs_float32_mean_abs_logprob_diff"] = sum(diffs) / len(diffs)
+        report[f"{backend}_{dtype}_vs_float32_max_abs_logprob_diff"] = max(diffs)
+        report[f"{backend}_{dtype}_greedy_tokens_agreeing_with_float32"] = agree
         del engine
         gc.collect()
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    ref, got = results["torch"], results["triton"]
-    tgt = prompt["prompt_token_ids"]
-    diffs = [abs(ref.prompt_logprobs[i][tgt[i]].logprob - got.prompt_logprobs[i][tgt[i]].logprob)
-             for i in range(1, len(tgt))]
-    a, b = ref.outputs[0].token_ids, got.outputs[0].token_ids
-    agree = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-    return {
-        "prompt_logprob_max_abs_diff": max(diffs),
-        "prompt_logprob_mean_abs_diff": sum(diffs) / len(diffs),
-        "greedy_tokens_agreeing_before_first_difference": agree,
-        "greedy_tokens": len(a),
-    }
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    report["greedy_tokens"] = len(ref_tokens)
+    return report
 
 
 def speed(path: str, vocab: int, device: str, dtype: str, prefill: int) -> dict:

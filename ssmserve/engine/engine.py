@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -104,10 +103,15 @@ class LLMEngine:
         self.model = self._build_model(path)
         self._setup_caches()
         self.runner = ModelRunner(self.model, self.device, config.block_size)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            if self.kernel_ops.backend != "triton":
+                logger.info("CUDA graphs need the Triton kernels; running eager")
+            else:
+                self.runner.enable_cuda_graphs(self.scheduler.max_num_seqs,
+                                               self.scheduler.max_tokens_per_request)
         self.sampler = Sampler()
         self._groups: dict[str, _Group] = {}
         self._owner: dict[str, tuple[_Group, _Sample]] = {}
-        self._arrival = itertools.count()
         self._generator = torch.Generator(self.device).manual_seed(config.seed)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -116,7 +120,7 @@ class LLMEngine:
 
     def _build_model(self, path: str):
         cls = model_class(self.model_config.architecture)
-        ops = get_ops(self.config.kernel_backend, self.device)
+        ops = self.kernel_ops = get_ops(self.config.kernel_backend, self.device)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -255,7 +259,6 @@ class LLMEngine:
                 min_tokens=params.min_tokens,
                 eos_token_ids=params.eos_token_ids,
                 stop_token_ids=tuple(params.stop_token_ids),
-                arrival_index=next(self._arrival),
             )
             sample = _Sample(
                 index=i,

@@ -14,6 +14,14 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = block_size
+        self.graphs = None  # DecodeGraphs, when CUDA graphs are on
+
+    def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+        from ssmserve.engine.cuda_graphs import DecodeGraphs
+
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.device, max_batch, max_blocks)
+        self.graphs.capture()
 
     @staticmethod
     def order_chunks(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
@@ -68,6 +76,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [K, vocab] (float32) of the rows in batch.logits_indices."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
         hidden = self.model(batch)
         if batch.logits_indices.numel() == 0:
             return hidden.new_zeros(0, self.model.lm_head.weight.shape[0], dtype=torch.float32)

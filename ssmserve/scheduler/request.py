@@ -35,7 +35,6 @@ class Request:
         min_tokens: int = 0,
         eos_token_ids: tuple[int, ...] = (),
         stop_token_ids: tuple[int, ...] = (),
-        arrival_index: int = 0,
         payload: Any = None,
     ) -> None:
         self.request_id = request_id
@@ -47,7 +46,7 @@ class Request:
         self.min_tokens = min_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(stop_token_ids)
-        self.arrival_index = arrival_index
+        self.arrival_index = -1  # set by the scheduler when the request is added
         self.payload = payload  # engine-side data (sampling params, detokenizer, ...)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

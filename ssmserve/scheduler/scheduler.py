@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 
@@ -20,6 +21,10 @@ class Scheduler:
     first). A prompt longer than the budget is split wherever the budget falls. When KV
     blocks run out, the newest running request is preempted: it gives back its blocks and
     state slot and is recomputed from scratch later (its output so far becomes prompt).
+
+    NOTE: `running` stays in arrival order, and every running request arrived before every
+    waiting one (admission is FIFO and preempted requests wait at the front), so
+    `running[-1]` is always the newest request holding cache.
     """
 
     def __init__(
@@ -40,12 +45,14 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._arrivals = itertools.count()
 
     # -- requests in and out ---------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.arrival_index = next(self._arrivals)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -91,8 +98,11 @@ class Scheduler:
                     continue
                 n = min(remaining, budget)
                 while not self._reserve_blocks(request, n):
-                    victim = self._newest_running(exclude=request)
-                    if victim is None:
+                    # NOTE: the victim is always the newest arrival, never an older request
+                    # than the one asking; two requests preempting each other by turns
+                    # would livelock. The oldest running request always makes progress.
+                    victim = self.running[-1]
+                    if victim is request:
                         self._preempt(request, plan)
                         break
                     victim_chunk = chunks.pop(victim.request_id, None)
@@ -173,12 +183,6 @@ class Scheduler:
             return False
         request.block_ids.extend(block_ids)
         return True
-
-    def _newest_running(self, exclude: Request) -> Request | None:
-        for request in reversed(self.running):
-            if request is not exclude:
-                return request
-        return None
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         logger.debug("preempting %s", request)
