@@ -310,6 +310,12 @@ class LLMEngine:
         """Schedule, run the model once, sample, and report requests that advanced."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # Admission checks make this unreachable; fail loudly rather than spin.
+                raise RuntimeError(
+                    f"the scheduler cannot start {self.scheduler.waiting[0]} with an empty "
+                    "engine; this is a bug, please report it"
+                )
             return []
         now = time.time()
         chunks = self.runner.order_chunks(plan.chunks)
