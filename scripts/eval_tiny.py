@@ -90,7 +90,9 @@ def _figures(total_nll: float, num_tokens: int, num_bytes: int, seconds: float) 
 
 
 @torch.no_grad()
-def score_transformers(model, windows: list[list[int]], num_bytes: int, batch_size: int = 16) -> Figures:
+def score_transformers(
+    model, windows: list[list[int]], num_bytes: int, batch_size: int = 16
+) -> Figures:
     """Total NLL of the windows under a transformers causal LM (in its current dtype/device)."""
     device = next(model.parameters()).device
     start_time = time.perf_counter()
@@ -183,11 +185,17 @@ def format_table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("models", nargs="*", type=Path, help="model folders (default: bundled)")
-    parser.add_argument("--docs", type=Path, default=None,
-                        help="held-out documents JSON from train_tiny.py (default: read the "
-                        "held-out modules from this interpreter's stdlib)")
+    parser.add_argument(
+        "--docs",
+        type=Path,
+        default=None,
+        help="held-out documents JSON from train_tiny.py (default: read the "
+        "held-out modules from this interpreter's stdlib)",
+    )
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     parser.add_argument("--skip-ssmserve", action="store_true")
     parser.add_argument("--json-out", type=Path, default=None)
@@ -197,15 +205,20 @@ def main(argv: list[str] | None = None) -> int:
 
     models = args.models or [REPO_ROOT / "ssmserve" / "model_data" / n for n in BUNDLED_MODELS]
     documents = load_heldout_documents(args.docs)
-    logger.info("held-out: %d documents, %d bytes", len(documents),
-                sum(len(t.encode()) for t in documents.values()))
+    logger.info(
+        "held-out: %d documents, %d bytes",
+        len(documents),
+        sum(len(t.encode()) for t in documents.values()),
+    )
 
     with_ssmserve = not args.skip_ssmserve
     if with_ssmserve:
         reason = ssmserve_available()
         if reason is not None:
-            print(f"ssmserve's LLM API is not available ({reason}); "
-                  "reporting the transformers figures only")
+            print(
+                f"ssmserve's LLM API is not available ({reason}); "
+                "reporting the transformers figures only"
+            )
             with_ssmserve = False
 
     results = []
@@ -216,11 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(results, indent=2) + "\n")
 
-    failed = [r["model"] for r in results
-              if r.get("abs_loss_difference", 0.0) > AGREEMENT_TOLERANCE]
+    failed = [
+        r["model"] for r in results if r.get("abs_loss_difference", 0.0) > AGREEMENT_TOLERANCE
+    ]
     if failed:
-        print(f"ssmserve and transformers disagree by more than {AGREEMENT_TOLERANCE} "
-              f"nats/token on: {', '.join(failed)}")
+        print(
+            f"ssmserve and transformers disagree by more than {AGREEMENT_TOLERANCE} "
+            f"nats/token on: {', '.join(failed)}"
+        )
         return 1
     return 0
 

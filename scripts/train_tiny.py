@@ -46,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import eval_tiny  # noqa: E402
+import fast_ssd  # noqa: E402
 import tiny_corpus  # noqa: E402
 
 logger = logging.getLogger("train_tiny")
@@ -115,9 +116,13 @@ def prepare(data_dir: Path, vocab_size: int, max_train_files: int | None) -> Non
     train_docs = tiny_corpus.read_documents(train_files, root)
     heldout_docs = tiny_corpus.read_documents(heldout_files, root)
     logger.info("stdlib %s (Python %s)", root, sys.version.split()[0])
-    logger.info("train: %d files, %d bytes; held-out: %d files, %d bytes",
-                len(train_docs), sum(len(t.encode()) for t in train_docs.values()),
-                len(heldout_docs), sum(len(t.encode()) for t in heldout_docs.values()))
+    logger.info(
+        "train: %d files, %d bytes; held-out: %d files, %d bytes",
+        len(train_docs),
+        sum(len(t.encode()) for t in train_docs.values()),
+        len(heldout_docs),
+        sum(len(t.encode()) for t in heldout_docs.values()),
+    )
 
     start = time.perf_counter()
     tokenizer = train_tokenizer(list(train_docs.values()), vocab_size)
@@ -130,9 +135,7 @@ def prepare(data_dir: Path, vocab_size: int, max_train_files: int | None) -> Non
 
     eos = tokenizer.eos_token_id
     encoded = tokenizer(list(train_docs.values()), add_special_tokens=False)["input_ids"]
-    stream = np.fromiter(
-        (t for ids in encoded for t in (eos, *ids)), dtype=np.uint16
-    )
+    stream = np.fromiter((t for ids in encoded for t in (eos, *ids)), dtype=np.uint16)
     np.save(data_dir / "train_tokens.npy", stream)
     (data_dir / "heldout.json").write_text(json.dumps(heldout_docs), encoding="utf-8")
     num_train_bytes = sum(len(t.encode()) for t in train_docs.values())
@@ -149,6 +152,36 @@ def prepare(data_dir: Path, vocab_size: int, max_train_files: int | None) -> Non
     }
     (data_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     logger.info("train stream: %d tokens (%.2f bytes/token)", stream.size, meta["bytes_per_token"])
+
+
+def write_prompt_snippets(
+    documents: dict[str, str], path: Path, count: int = 64, num_chars: int = 400
+) -> None:
+    """Deterministic cuts of the held-out documents, for tests that must not need the corpus.
+
+    Cut i starts at the beginning of a line near fraction i / count of the documents
+    concatenated in sorted order.
+    """
+    names = sorted(documents)
+    total = sum(len(documents[n]) for n in names)
+    snippets = []
+    for i in range(count):
+        target = i * total // count
+        for name in names:
+            text = documents[name]
+            if target < len(text):
+                start = text.rfind("\n", 0, target) + 1
+                snippets.append(
+                    {"source": name, "offset": start, "text": text[start : start + num_chars]}
+                )
+                break
+            target -= len(text)
+    payload = {
+        "note": "cuts of the held-out stdlib modules (scripts/train_tiny.py snippets)",
+        "python": sys.version.split()[0],
+        "snippets": snippets,
+    }
+    path.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
 
 
 # ----------------------------------------------------------------------- models
@@ -227,8 +260,10 @@ def param_groups(model, weight_decay: float):
             decay.append(param)
         else:
             no_decay.append(param)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 def lr_at(step: int, total_steps: int, warmup: int, peak: float) -> float:
@@ -246,6 +281,9 @@ def train_one(args, family: str) -> dict:
     from transformers import GenerationConfig, PreTrainedTokenizerFast
 
     device = torch.device(args.device)
+    fast_ssd.install()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     if device.type == "cuda":
@@ -262,8 +300,13 @@ def train_one(args, family: str) -> dict:
     logger.info("[%s] %.2fM parameters, %d train tokens", family, num_params / 1e6, stream.numel())
 
     peak_lr = args.lr or PEAK_LR[family]
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=peak_lr, betas=(0.9, 0.95),
-                                  eps=1e-8, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        param_groups(model, 0.1),
+        lr=peak_lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=device.type == "cuda",
+    )
     generator = torch.Generator().manual_seed(args.seed)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
@@ -275,8 +318,7 @@ def train_one(args, family: str) -> dict:
     losses: list[float] = []
     model.train()
     while total_steps is None or step < total_steps:
-        offsets = torch.randint(0, stream.numel() - seq_len - 1, (batch_size,),
-                                generator=generator)
+        offsets = torch.randint(0, stream.numel() - seq_len - 1, (batch_size,), generator=generator)
         rows = torch.stack([stream[o : o + seq_len + 1] for o in offsets.tolist()])
         rows = rows.to(device, non_blocking=True)
         lr = lr_at(step, total_steps or 10**9, warmup, peak_lr)
@@ -296,13 +338,25 @@ def train_one(args, family: str) -> dict:
         if step % args.log_every == 0 or step == 1:
             losses.append(loss.item())
             elapsed = time.perf_counter() - start
-            logger.info("[%s] step %d loss %.4f lr %.2e %.0f tok/s %.0fs", family, step,
-                        losses[-1], lr, tokens_seen / elapsed, elapsed)
-        if total_steps is None and step == args.warmup_steps:
+            logger.info(
+                "[%s] step %d loss %.4f lr %.2e %.0f tok/s %.0fs",
+                family,
+                step,
+                losses[-1],
+                lr,
+                tokens_seen / elapsed,
+                elapsed,
+            )
+        elapsed = time.perf_counter() - start
+        if total_steps is None and (step == args.warmup_steps or elapsed > 0.1 * args.time_budget):
             # Fix the schedule's length from the measured speed (see module docstring).
-            per_step = (time.perf_counter() - start) / step
+            per_step = elapsed / step
             total_steps = max(step + 1, int(args.time_budget / per_step))
             logger.info("[%s] %.3fs/step: training %d steps", family, per_step, total_steps)
+        if args.max_steps is None and elapsed > 1.1 * args.time_budget:
+            # NOTE: a hard stop, so that a slow device can never overrun its lease.
+            logger.info("[%s] stopping at step %d: over the time budget", family, step)
+            break
     train_seconds = time.perf_counter() - start
     final_loss = loss.item()
 
@@ -313,16 +367,24 @@ def train_one(args, family: str) -> dict:
         documents = {k: documents[k] for k in sorted(documents)[: args.eval_max_docs]}
     windows, num_bytes = eval_tiny.make_windows(tokenizer, documents, seq_len)
     figures = eval_tiny.score_transformers(model, windows, num_bytes, batch_size=64)
-    logger.info("[%s] held-out loss %.4f ppl %.3f bits/byte %.4f", family, figures.loss,
-                figures.perplexity, figures.bits_per_byte)
+    logger.info(
+        "[%s] held-out loss %.4f ppl %.3f bits/byte %.4f",
+        family,
+        figures.loss,
+        figures.perplexity,
+        figures.bits_per_byte,
+    )
 
     out = args.out_dir / MODEL_NAMES[family]
     if out.exists():
         shutil.rmtree(out)
     model.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    GenerationConfig(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-                     pad_token_id=tokenizer.eos_token_id).save_pretrained(out)
+    GenerationConfig(
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    ).save_pretrained(out)
     report = {
         "family": family,
         "name": MODEL_NAMES[family],
@@ -337,9 +399,14 @@ def train_one(args, family: str) -> dict:
         "train_loss_curve": losses,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "heldout": {"window": seq_len, "loss": figures.loss,
-                    "perplexity": figures.perplexity, "bits_per_byte": figures.bits_per_byte,
-                    "num_tokens": figures.num_tokens, "num_bytes": figures.num_bytes},
+        "heldout": {
+            "window": seq_len,
+            "loss": figures.loss,
+            "perplexity": figures.perplexity,
+            "bits_per_byte": figures.bits_per_byte,
+            "num_tokens": figures.num_tokens,
+            "num_bytes": figures.num_bytes,
+        },
     }
     (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -350,15 +417,23 @@ def run_parallel(args, families: list[str]) -> list[dict]:
     processes = []
     for family in families:
         command = [sys.executable, __file__, "train", "--models", family]
-        for key in ("data_dir", "out_dir", "time_budget", "seed", "device", "log_every",
-                    "warmup_steps"):
+        for key in (
+            "data_dir",
+            "out_dir",
+            "time_budget",
+            "seed",
+            "device",
+            "log_every",
+            "warmup_steps",
+        ):
             command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-        for key in ("seq_len", "batch_size", "max_steps", "lr", "eval_max_docs"):
+        for key in ("seq_len", "batch_size", "max_steps", "lr", "eval_max_docs", "threads"):
             if getattr(args, key) is not None:
                 command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
         log = open(args.out_dir / f"train_{family}.log", "w")  # noqa: SIM115
-        processes.append((family, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT),
-                          log))
+        processes.append(
+            (family, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log)
+        )
     failed = []
     for family, process, log in processes:
         if process.wait() != 0:
@@ -366,29 +441,47 @@ def run_parallel(args, families: list[str]) -> list[dict]:
         log.close()
     if failed:
         raise SystemExit(f"training failed for {failed}; see {args.out_dir}/train_*.log")
-    return [json.loads((args.out_dir / MODEL_NAMES[f] / "training_report.json").read_text())
-            for f in families]
+    return [
+        json.loads((args.out_dir / MODEL_NAMES[f] / "training_report.json").read_text())
+        for f in families
+    ]
 
 
 def format_reports(reports: list[dict]) -> str:
-    lines = ["| model | params | steps | tokens | train s | train loss | val loss | val ppl | "
-             "val bits/byte |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| model | params | steps | tokens | train s | train loss | val loss | val ppl | "
+        "val bits/byte |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in reports:
         h = r["heldout"]
-        lines.append(f"| {r['name']} | {r['parameters'] / 1e6:.2f}M | {r['steps']} | "
-                     f"{r['tokens_seen'] / 1e6:.1f}M | {r['train_seconds']} | "
-                     f"{r['final_train_loss']:.3f} | {h['loss']:.4f} | {h['perplexity']:.3f} | "
-                     f"{h['bits_per_byte']:.4f} |")
+        lines.append(
+            f"| {r['name']} | {r['parameters'] / 1e6:.2f}M | {r['steps']} | "
+            f"{r['tokens_seen'] / 1e6:.1f}M | {r['train_seconds']} | "
+            f"{r['final_train_loss']:.3f} | {h['loss']:.4f} | {h['perplexity']:.3f} | "
+            f"{h['bits_per_byte']:.4f} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="corpus, tokenizer and token arrays")
     p.add_argument("--data-dir", type=Path, default=Path(".train_data"))
     p.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
     p.add_argument("--max-train-files", type=int, default=None, help="smoke tests only")
+
+    sn = sub.add_parser("snippets", help="write held-out prompt snippets for the tests")
+    sn.add_argument(
+        "--docs",
+        type=Path,
+        default=None,
+        help="held-out documents JSON (default: this interpreter's stdlib)",
+    )
+    sn.add_argument("--out", type=Path, default=Path("ssmserve/model_data/heldout_prompts.json"))
 
     t = sub.add_parser("train", help="train, evaluate and save models")
     t.add_argument("--data-dir", type=Path, default=Path(".train_data"))
@@ -396,8 +489,12 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--models", default="bamba,mamba2,mamba")
     t.add_argument("--seq-len", type=int, default=None, help="default: per family")
     t.add_argument("--batch-size", type=int, default=None, help="default: per family")
-    t.add_argument("--max-steps", type=int, default=None,
-                   help="exact step count (default: estimated from --time-budget)")
+    t.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="exact step count (default: estimated from --time-budget)",
+    )
     t.add_argument("--time-budget", type=float, default=300.0, help="seconds per model")
     t.add_argument("--warmup-steps", type=int, default=50)
     t.add_argument("--lr", type=float, default=None, help="peak LR (default: per family)")
@@ -405,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     t.add_argument("--log-every", type=int, default=50)
     t.add_argument("--eval-max-docs", type=int, default=None, help="smoke tests only")
+    t.add_argument("--threads", type=int, default=None, help="CPU threads per process")
     t.add_argument("--parallel", action="store_true", help="one process per model")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
@@ -412,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "prepare":
         prepare(args.data_dir, args.vocab_size, args.max_train_files)
+        return 0
+    if args.command == "snippets":
+        write_prompt_snippets(eval_tiny.load_heldout_documents(args.docs), args.out)
         return 0
     args.out_dir.mkdir(parents=True, exist_ok=True)
     families = args.models.split(",")
