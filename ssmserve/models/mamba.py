@@ -1,4 +1,8 @@
-"""MambaForCausalLM and FalconMambaForCausalLM: Mamba1 blocks, residual kept in float32."""
+"""MambaForCausalLM and FalconMambaForCausalLM: Mamba1 blocks, residual kept in float32.
+
+`MambaStyleLM` is the shared attention-free backbone (embeddings, pre-norm residual
+blocks, norm_f, lm_head) that Mamba2ForCausalLM reuses with a different mixer.
+"""
 
 from __future__ import annotations
 
@@ -14,47 +18,38 @@ from ssmserve.layers.norm import RMSNorm
 from ssmserve.models.base import CausalLM
 
 
-class MambaBlock(nn.Module):
-    def __init__(self, cfg, ops: KernelOps, falcon: bool) -> None:
+class ResidualMixerBlock(nn.Module):
+    """norm -> mixer -> + residual, as HF's Mamba/Mamba2 blocks do."""
+
+    def __init__(self, cfg, mixer: nn.Module) -> None:
         super().__init__()
         self.residual_in_fp32 = getattr(cfg, "residual_in_fp32", True)
         self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
-        rank = cfg.time_step_rank
-        if rank == "auto":
-            rank = math.ceil(cfg.hidden_size / 16)
-        self.mixer = MambaMixer(
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            state_size=cfg.state_size,
-            conv_kernel=cfg.conv_kernel,
-            time_step_rank=int(rank),
-            ops=ops,
-            use_bias=cfg.use_bias,
-            use_conv_bias=cfg.use_conv_bias,
-            bcdt_rms_eps=cfg.mixer_rms_eps if falcon else None,
-        )
+        self.mixer = mixer
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        # NOTE: HF adds the residual back inside each block (in float32 when
-        # residual_in_fp32) and feeds the sum on, so keep exactly that order of rounding.
-        dtype = self.norm.weight.dtype
+        # NOTE: HF adds the residual inside each block (in float32 when residual_in_fp32)
+        # and feeds the sum on; keep exactly that order of rounding.
         res = hidden.float() if self.residual_in_fp32 else hidden
-        out = self.mixer(self.norm(hidden.to(dtype)), batch)
-        return res + out
+        return res + self.mixer(self.norm(hidden.to(self.norm.weight.dtype)), batch)
 
 
-class MambaForCausalLM(CausalLM):
-    falcon = False
+class MambaStyleLM(CausalLM):
+    """backbone.{embeddings, layers, norm_f} + lm_head; subclasses give the mixer."""
 
     def __init__(self, hf_config, ops: KernelOps) -> None:
         super().__init__(hf_config)
         self.backbone = nn.Module()
         self.backbone.embeddings = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
         self.backbone.layers = nn.ModuleList(
-            MambaBlock(hf_config, ops, self.falcon) for _ in range(hf_config.num_hidden_layers)
+            ResidualMixerBlock(hf_config, self.make_mixer(hf_config, ops))
+            for _ in range(hf_config.num_hidden_layers)
         )
         self.backbone.norm_f = RMSNorm(hf_config.hidden_size, hf_config.layer_norm_epsilon)
         self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+    def make_mixer(self, cfg, ops: KernelOps) -> nn.Module:
+        raise NotImplementedError
 
     def input_embeddings(self) -> nn.Embedding:
         return self.backbone.embeddings
@@ -66,8 +61,27 @@ class MambaForCausalLM(CausalLM):
         return self.backbone.norm_f
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden = super().forward(batch)
-        return hidden.to(self.lm_head.weight.dtype)
+        return super().forward(batch).to(self.lm_head.weight.dtype)
+
+
+class MambaForCausalLM(MambaStyleLM):
+    falcon = False
+
+    def make_mixer(self, cfg, ops: KernelOps) -> nn.Module:
+        rank = cfg.time_step_rank
+        if rank == "auto":
+            rank = math.ceil(cfg.hidden_size / 16)
+        return MambaMixer(
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            state_size=cfg.state_size,
+            conv_kernel=cfg.conv_kernel,
+            time_step_rank=int(rank),
+            ops=ops,
+            use_bias=cfg.use_bias,
+            use_conv_bias=cfg.use_conv_bias,
+            bcdt_rms_eps=cfg.mixer_rms_eps if self.falcon else None,
+        )
 
 
 class FalconMambaForCausalLM(MambaForCausalLM):
