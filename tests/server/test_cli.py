@@ -85,6 +85,19 @@ def test_docs_client_example_runs_as_written(served_process):
     exec(compile(blocks[1], str(DOCS), "exec"), {"client": client, "model": model})
 
 
+def test_readme_client_example_runs_as_written(served_process):
+    _, base_url = served_process
+    readme = DOCS.parents[1] / "README.md"
+    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), flags=re.S)
+    example = next(b for b in blocks if "OpenAI(" in b)
+    assert example.count("http://localhost:8000/v1") == 1
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(example.replace("http://localhost:8000", base_url), str(readme), "exec"),
+             {})
+    assert out.getvalue().strip(), "the README example printed nothing"
+
+
 def test_docs_list_every_flag():
     import argparse
 
