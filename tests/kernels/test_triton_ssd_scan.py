@@ -7,6 +7,7 @@ import torch
 from kernel_testing import assert_close, cu_seqlens_of, randn, seeded
 from triton_testing import DEVICE, requires_triton
 
+from ssmserve.kernels import ssd_scan
 from ssmserve.kernels.ssd_scan import ssd_scan_varlen_ref, ssd_scan_varlen_triton
 
 pytestmark = requires_triton
@@ -24,6 +25,7 @@ def make_inputs(
     state_dtype=torch.float32,
     seed=0,
     with_dz=True,
+    packed_xbc=False,
 ):
     gen = seeded(seed)
     T = sum(lengths)
@@ -38,6 +40,11 @@ def make_inputs(
         dt_bias=randn(H, gen=gen, scale=0.5) if with_dz else None,
         ssm_state=randn(num_slots, H, P, N, gen=gen, dtype=state_dtype),
     )
+    if packed_xbc:
+        # As the mixer passes them: strided views into one [T, H*P + 2*G*N] tensor.
+        xbc = torch.cat([inp["x"].flatten(1), inp["B"].flatten(1), inp["C"].flatten(1)], 1)
+        x, B, C = xbc.split([H * P, G * N, G * N], dim=1)
+        inp.update(x=x.view(T, H, P), B=B.view(T, G, N), C=C.view(T, G, N))
     return {k: (v.to(DEVICE) if v is not None else None) for k, v in inp.items()}
 
 
@@ -60,7 +67,8 @@ def run(fn, inp, lengths, slots, init, **kw):
 
 
 def compare(inp, lengths, slots, init, scale=1.0, **kw):
-    pool = inp["ssm_state"].clone()
+    before = inp["ssm_state"].clone()
+    pool = before.clone()
     y_ref = run(ssd_scan_varlen_ref, inp, lengths, slots, init, **kw)
     state_ref = inp["ssm_state"].clone()
     inp["ssm_state"] = pool
@@ -68,28 +76,52 @@ def compare(inp, lengths, slots, init, scale=1.0, **kw):
     assert y.dtype == inp["x"].dtype
     assert_close(y, y_ref, scale=scale, msg="y")
     assert_close(pool, state_ref, scale=scale, msg="state pool")
+    untouched = [i for i in range(pool.shape[0]) if i not in slots]
+    assert torch.equal(pool[untouched], before[untouched]), "slots of no sequence changed"
 
 
 # dims deliberately not powers of two; G > 1 in one case
 SHAPES = [(3, 5, 1, 6), (4, 16, 2, 16)]
+# chunk_size 16 below: shorter than a chunk (7, 1), empty (0), exactly one chunk (16),
+# three chunks, the last partial (37); sequences start mid-chunk of the packed batch.
+VARLEN = ([7, 37, 0, 1, 16], [2, 0, 5, 1, 4])
 
 
 @pytest.mark.parametrize("H,P,G,N", SHAPES)
 @pytest.mark.parametrize("init", [False, True])
 @pytest.mark.parametrize("varlen", [False, True])
 def test_matches_twin_float32(H, P, G, N, init, varlen):
-    lengths = [7, 20, 0, 1] if varlen else [37]
-    slots = [2, 0, 3, 1] if varlen else [1]
-    inits = [init, not init, init, init] if varlen else [init]
-    inp = make_inputs(lengths, H, P, G, N)
+    lengths, slots = VARLEN if varlen else ([37], [1])
+    inits = [init, not init, init, init, not init] if varlen else [init]
+    inp = make_inputs(lengths, H, P, G, N, num_slots=7)
     compare(inp, lengths, slots, inits, chunk_size=16, dt_limit=(0.01, 3.0))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_matches_twin_16bit(dtype):
-    lengths, slots = [19, 5], [3, 0]
-    inp = make_inputs(lengths, 4, 8, 2, 8, dtype=dtype, seed=1)
-    compare(inp, lengths, slots, [True, False], chunk_size=16)
+    lengths, slots = [19, 40, 5], [3, 0, 1]
+    inp = make_inputs(lengths, 4, 8, 2, 8, dtype=dtype, seed=1, packed_xbc=True)
+    compare(inp, lengths, slots, [True, False, True], chunk_size=16)
+
+
+def test_row_and_column_blocks_smaller_than_chunk(monkeypatch):
+    """Several row blocks per chunk and several column blocks per row block."""
+    config = ssd_scan._launch_config
+    monkeypatch.setattr(
+        ssd_scan,
+        "_launch_config",
+        lambda *a: {**config(*a), "chunk": 64, "block_m": 32, "block_k": 16, "state_block": 32},
+    )
+    lengths, slots = [50, 3, 130], [1, 3, 0]
+    inp = make_inputs(lengths, 2, 6, 1, 10, seed=4, packed_xbc=True)
+    compare(inp, lengths, slots, [True, False, True], chunk_size=64)
+
+
+def test_chunk_id_bound_is_tight():
+    """Every sequence ends in a partial chunk: all cdiv(T, chunk) + S - 1 chunk ids are used."""
+    lengths, slots = [17, 17, 17], [0, 2, 3]
+    inp = make_inputs(lengths, 3, 5, 1, 6, seed=5)
+    compare(inp, lengths, slots, [False, True, False], chunk_size=16)
 
 
 def test_bf16_state_no_gates():

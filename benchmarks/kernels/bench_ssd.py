@@ -1,0 +1,351 @@
+"""Check and time the chunk-parallel SSD varlen scan on a GPU, next to its floor.
+
+    PYTHONPATH=$PWD python3 benchmarks/kernels/bench_ssd.py --out ssd.json
+
+Sections, each guarded so one failure loses no other data: (a) Triton vs the float32
+PyTorch twin at real sizes (4k tokens, one sequence and 8 varlen sequences, initial
+states); (b) CUDA-graph capture and replay (proves no host sync) against eager;
+(c) median times (triton.testing.do_bench) at 4k / 32k / 128k tokens and 8 x 4k varlen,
+for Bamba-9B and Mamba2-2.7B mixer dims; (d) per-kernel split of one 32k call
+(torch.profiler); (e) a launch-config sweep at 32k. Prints a table and writes JSON.
+Floors are max(bytes / 4.23e12, FLOP / 6.85e14) (the H200 copy and bf16 matmul rates
+measured in docs/kernels_notes.md); "design MB" adds the scratch traffic of the
+chunk-parallel design (contributions, entering states) to the essential bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import subprocess
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+import triton.testing
+
+from ssmserve.kernels import ssd_scan as ssd_mod
+
+COPY_BYTES_PER_S = 4.23e12
+BF16_FLOP_PER_S = 6.85e14
+# (name, heads, head_dim, d_state, n_groups)
+MODELS = [("bamba-9b", 128, 64, 128, 1), ("mamba2-2.7b", 80, 64, 128, 1)]
+CHUNK_SIZE = 256  # both models' mamba chunk_size
+TIME_BUDGET_S = 85.0
+SWEEP = [
+    {"chunk": 256, "block_m": 64, "block_k": 64, "num_warps": 8},
+    {"chunk": 256, "block_m": 128, "block_k": 64, "num_warps": 8},
+    {"chunk": 256, "block_m": 64, "block_k": 32},
+    {"chunk": 256, "num_stages": 3},
+    {"chunk": 256, "state_block": 256},
+    {"chunk": 256, "state_block": 1024},
+    {"chunk": 128, "block_m": 64, "block_k": 64},
+    {"chunk": 128, "block_m": 128, "block_k": 64, "num_warps": 8},
+    {"chunk": 64, "block_m": 64, "block_k": 64},
+]
+
+ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ARGS.add_argument("--out", default="bench_ssd.json", help="path of the JSON results file")
+DEV = torch.device("cuda")
+START = time.perf_counter()
+RESULTS: dict[str, Any] = {"checks": [], "timings": [], "kernels": [], "errors": []}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def guarded(fn: Callable[[], None]) -> None:
+    """Run one section; record the traceback and go on, so one failure loses no other data."""
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - the benchmark must go on
+        tb = traceback.format_exc()
+        log(f"ERROR in {fn.__name__}:\n{tb}")
+        RESULTS["errors"].append({"section": fn.__name__, "traceback": tb[-3000:]})
+    finally:
+        torch.cuda.empty_cache()
+
+
+def make_inputs(
+    lengths: list[int],
+    H: int,
+    P: int,
+    N: int,
+    G: int,
+    init: bool,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, Any]:
+    """Fresh random inputs with Mamba2-like scales (dt 0.001..0.1, A in [-16, -1])."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    T, S = sum(lengths), len(lengths)
+
+    def rand(*shape: int, scale: float = 1.0, dtype: torch.dtype = dtype):
+        return (torch.randn(*shape, generator=gen, device=DEV) * scale).to(dtype)
+
+    dt_init = torch.exp(
+        torch.rand(H, generator=gen, device=DEV) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)
+    )
+    cu = torch.tensor([0, *lengths], device=DEV).cumsum(0).to(torch.int32)
+    return dict(
+        x=rand(T, H, P),
+        dt=rand(T, H, scale=0.5),
+        A=-torch.exp(torch.rand(H, generator=gen, device=DEV) * math.log(16.0)),
+        B=rand(T, G, N),
+        C=rand(T, G, N),
+        D=torch.ones(H, device=DEV),
+        dt_bias=dt_init + torch.log(-torch.expm1(-dt_init)),  # inverse softplus
+        cu_seqlens=cu,
+        # one spare slot, so a sequence never reads a slot another one writes
+        ssm_state=rand(S + 1, H, P, N, scale=0.1, dtype=torch.float32),
+        state_slots=torch.arange(1, S + 1, dtype=torch.int32, device=DEV),
+        has_initial_state=torch.full((S,), init, dtype=torch.bool, device=DEV),
+    )
+
+
+def call(fn: Callable[..., torch.Tensor], inp: dict[str, Any]) -> torch.Tensor:
+    return fn(
+        inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"],
+        cu_seqlens=inp["cu_seqlens"], ssm_state=inp["ssm_state"],
+        state_slots=inp["state_slots"], has_initial_state=inp["has_initial_state"],
+        dt_bias=inp["dt_bias"], dt_softplus=True, chunk_size=CHUNK_SIZE,
+    )  # fmt: skip
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return math.inf
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def record_check(name: str, errors: dict[str, float], limit: float = 1e-2) -> None:
+    ok = all(e <= limit for e in errors.values())
+    RESULTS["checks"].append({"name": name, "rel_err": errors, "limit": limit, "ok": ok})
+    pretty = ", ".join(f"{k}={v:.2e}" for k, v in errors.items())
+    log(f"check {'OK  ' if ok else 'FAIL'} {name}: {pretty} (limit {limit:.0e})")
+
+
+def costs(T: int, S: int, H: int, P: int, N: int, G: int, chunk: int) -> dict[str, float]:
+    """Essential bytes and FLOP (floor), and the bytes this design moves."""
+    essential = 2 * T * H * P * 2 + T * H * 2 + 2 * T * G * N * 2 + 2 * S * H * P * N * 4
+    # FLOP as in bench_kernels.py (64-token chunks), so floors compare across scripts
+    flops = T * H * (2 * 64 * P + 4 * N * P) + T * G * 2 * 64 * N
+    chunks = triton.cdiv(T, chunk) + S - 1
+    # x read twice; per chunk and head a float32 contribution written and read, and a
+    # bf16 entering state written and read; C.B^T per chunk and group written
+    design = essential + T * H * P * 2 + chunks * H * P * N * (4 + 4 + 2 + 2)
+    design += chunks * G * chunk * chunk * 2
+    return {
+        "bytes": essential,
+        "flops": flops,
+        "design_bytes": design,
+        "floor_ms": max(essential / COPY_BYTES_PER_S, flops / BF16_FLOP_PER_S) * 1e3,
+        "design_mem_ms": design / COPY_BYTES_PER_S * 1e3,
+    }
+
+
+def bench_ms(fn: Callable[[], Any]) -> float:
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def check_accuracy() -> None:
+    """(a) Triton against the twin run on float32 copies of the same inputs."""
+    for name, H, P, N, G in MODELS:
+        for label, lengths, init, dtype in (
+            ("1 seq", [4096], True, torch.bfloat16),
+            ("8 seqs", [512 - 37, 1, 700, 300, 64, 1100, 900, 530 + 26], True, torch.bfloat16),
+            ("1 seq no init", [4096], False, torch.bfloat16),
+            # float32 and fp16 inputs overwrite contributions with entering states in place
+            ("1 seq float32", [4096], True, torch.float32),
+            ("8 seqs fp16", [512] * 8, True, torch.float16),
+        ):
+            if dtype != torch.bfloat16 and name != MODELS[0][0]:
+                continue
+            inp = make_inputs(lengths, H, P, N, G, init, seed=len(lengths), dtype=dtype)
+            ref_inp = {k: (v.float() if k in ("x", "dt", "B", "C") else v) for k, v in inp.items()}
+            ref_inp["ssm_state"] = inp["ssm_state"].clone()
+            y_ref = call(ssd_mod.ssd_scan_varlen_ref, ref_inp)
+            y = call(ssd_mod.ssd_scan_varlen_triton, inp)
+            torch.cuda.synchronize()
+            record_check(
+                f"{name} T=4096 {label}",
+                {"y": rel_err(y, y_ref), "state": rel_err(inp["ssm_state"], ref_inp["ssm_state"])},
+            )
+        # resumed mid-chunk equals whole, both on the kernel
+        inp = make_inputs([4096], H, P, N, G, False, seed=9)
+        y_whole = call(ssd_mod.ssd_scan_varlen_triton, inp)
+        state_whole = inp["ssm_state"][1].clone()
+        T = inp["x"].shape[0]
+        split = T // 2 + 29
+        parts = []
+        for lo, hi, init in ((0, split, False), (split, T, True)):
+            part = {k: (v[lo:hi] if k in ("x", "dt", "B", "C") else v) for k, v in inp.items()}
+            part["cu_seqlens"] = torch.tensor([0, hi - lo], dtype=torch.int32, device=DEV)
+            part["has_initial_state"] = torch.tensor([init], device=DEV)
+            parts.append(call(ssd_mod.ssd_scan_varlen_triton, part))
+        record_check(
+            f"{name} resumed at {split} == whole",
+            {
+                "y": rel_err(torch.cat(parts), y_whole),
+                "state": rel_err(inp["ssm_state"][1], state_whole),
+            },
+        )
+
+
+def check_cuda_graph() -> None:
+    """(b) Capture one call in a CUDA graph (fails on any host sync) and replay it."""
+    name, H, P, N, G = MODELS[0]
+    for lengths in ([4096], [512] * 8):
+        inp = make_inputs(lengths, H, P, N, G, True, seed=3)
+        pool0 = inp["ssm_state"].clone()
+        y_eager = call(ssd_mod.ssd_scan_varlen_triton, inp)
+        state_eager = inp["ssm_state"].clone()
+        inp["ssm_state"].copy_(pool0)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up (compile) outside the capture
+            call(ssd_mod.ssd_scan_varlen_triton, inp)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_graph = call(ssd_mod.ssd_scan_varlen_triton, inp)
+        inp["ssm_state"].copy_(pool0)
+        graph.replay()
+        torch.cuda.synchronize()
+        record_check(
+            f"{name} CUDA graph replay == eager, {len(lengths)} seq(s)",
+            {"y": rel_err(y_graph, y_eager), "state": rel_err(inp["ssm_state"], state_eager)},
+            limit=1e-6,
+        )
+        ms = bench_ms(graph.replay)
+        T = sum(lengths)
+        record_time(f"{name} T={T} {len(lengths)} seq(s) graph replay", ms, T, len(lengths),
+                    H, P, N, G)  # fmt: skip
+        del graph
+
+
+def record_time(
+    label: str, ms: float, T: int, S: int, H: int, P: int, N: int, G: int, **extra: Any
+) -> None:
+    chunk = ssd_mod._launch_config(None, S, H, P, N, CHUNK_SIZE)["chunk"]
+    c = costs(T, S, H, P, N, G, extra.get("config", {}).get("chunk", chunk))
+    row = {"name": label, "ms": ms, "tokens": T, "seqs": S, **c, **extra}
+    RESULTS["timings"].append(row)
+    log(
+        f"time {label:52s} {ms:8.3f} ms  floor {c['floor_ms']:.3f}  "
+        f"design-mem {c['design_mem_ms']:.3f}  ({ms / c['floor_ms']:.1f}x floor)"
+    )
+
+
+def time_sizes() -> None:
+    """(c) The target sizes."""
+    for name, H, P, N, G in MODELS:
+        layouts = [("1 seq", [4096]), ("8 x 4k", [4096] * 8), ("1 seq", [32768]),
+                   ("1 seq", [131072])]  # fmt: skip
+        for label, lengths in layouts:
+            inp = make_inputs(lengths, H, P, N, G, True)
+            ms = bench_ms(lambda inp=inp: call(ssd_mod.ssd_scan_varlen_triton, inp))
+            T = sum(lengths)
+            config = ssd_mod._launch_config(inp["x"], len(lengths), H, P, N, CHUNK_SIZE)
+            record_time(f"{name} T={T} {label}", ms, T, len(lengths), H, P, N, G,
+                        model=name, config=config)  # fmt: skip
+            del inp
+
+
+def profile_kernels() -> None:
+    """(d) GPU time of each of the five launches in one 32k call (Bamba-9B dims)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    name, H, P, N, G = MODELS[0]
+    inp = make_inputs([32768], H, P, N, G, True)
+    call(ssd_mod.ssd_scan_varlen_triton, inp)
+    torch.cuda.synchronize()
+    reps = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call(ssd_mod.ssd_scan_varlen_triton, inp)
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            ms = evt.time_range.elapsed_us() / 1e3 / reps
+            totals[evt.name] = totals.get(evt.name, 0.0) + ms
+    for kernel, ms in sorted(totals.items(), key=lambda kv: -kv[1]):
+        RESULTS["kernels"].append({"kernel": kernel, "ms": ms, "case": f"{name} T=32768"})
+        log(f"kernel {kernel[:60]:60s} {ms:8.3f} ms")
+
+
+def sweep_configs() -> None:
+    """(e) Launch configs at 32k tokens, one sequence, Bamba-9B dims."""
+    name, H, P, N, G = MODELS[0]
+    inp = make_inputs([32768], H, P, N, G, True)
+    default = ssd_mod._launch_config
+    try:
+        for override in SWEEP:
+            if time.perf_counter() - START > TIME_BUDGET_S:
+                log(f"sweep: time budget spent, skipping {override}")
+                continue
+            cfg = {**default(inp["x"], 1, H, P, N, override.get("chunk", CHUNK_SIZE))}
+            cfg.update(override)
+            ssd_mod._launch_config = lambda *a, cfg=cfg, **k: cfg
+            try:
+                ms = bench_ms(lambda: call(ssd_mod.ssd_scan_varlen_triton, inp))
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                log(f"sweep {cfg}: failed: {str(exc)[:300]}")
+                RESULTS["errors"].append({"section": f"sweep {cfg}", "traceback": str(exc)[:3000]})
+                continue
+            record_time(f"sweep {name} T=32768 " + json.dumps(override), ms, 32768, 1, H, P, N, G,
+                        config=cfg)  # fmt: skip
+    finally:
+        ssd_mod._launch_config = default
+
+
+def environment() -> dict[str, Any]:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": commit,
+        "default_config": ssd_mod._launch_config(None, 1, 128, 64, 128, CHUNK_SIZE),
+    }
+
+
+def main() -> None:
+    opts = ARGS.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_ssd.py needs a CUDA GPU")
+    RESULTS["env"] = environment()
+    log(json.dumps(RESULTS["env"]))
+    for section in (check_accuracy, check_cuda_graph, time_sizes, profile_kernels,
+                    sweep_configs):  # fmt: skip
+        guarded(section)
+        log(f"-- {section.__name__} done at {time.perf_counter() - START:.1f} s")
+    RESULTS["wall_s"] = time.perf_counter() - START
+    log("\n| case | ms | floor ms | x floor | design-mem ms |\n| --- | --- | --- | --- | --- |")
+    for row in RESULTS["timings"]:
+        log(f"| {row['name']} | {row['ms']:.3f} | {row['floor_ms']:.3f} | "
+            f"{row['ms'] / row['floor_ms']:.1f} | {row['design_mem_ms']:.3f} |")  # fmt: skip
+    fails = [c["name"] for c in RESULTS["checks"] if not c["ok"]]
+    log(f"\nchecks: {len(RESULTS['checks']) - len(fails)} ok, failed: {fails}; "
+        f"errors: {len(RESULTS['errors'])}; wall {RESULTS['wall_s']:.1f} s")  # fmt: skip
+    with open(opts.out, "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+    log(f"wrote {opts.out}")
+
+
+if __name__ == "__main__":
+    main()
