@@ -299,7 +299,7 @@ def paged_attention_triton(
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         *block_tables.stride(),
         HAS_WINDOW=sliding_window is not None, SEARCH_STEPS=max(1, S.bit_length()),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(Dh),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(Dh)),
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
     )  # fmt: skip
     return out
