@@ -5,7 +5,7 @@
 One run does everything (device time is scarce): (a) Triton vs PyTorch twin at
 real sizes, (b) the card's copy bandwidth and bf16 matmul rate, (c) kernel times
 (median of triton.testing.do_bench) at Bamba-9B and Mamba2-2.7B mixer dims, and
-sweeps of launch configs for the SSD scan and the state update. Writes
+a sweep of launch configs for the state update (the SSD sweep lives in bench_ssd.py). Writes
 kernels_<date>.json and .md into --out. `--smoke` runs tiny sizes on CPU under the
 Triton interpreter to check the script itself.
 """
@@ -255,51 +255,6 @@ def time_ssd() -> None:
                     config=ssd_mod._launch_config(inp["x"], len(lengths), H, P, N, 256),
                 )
                 del inp
-
-
-def sweep_ssd() -> None:
-    """Launch-config sweep at 32k tokens, one sequence (the target case)."""
-    original = ssd_mod._launch_config
-    T = 1024 if OPTS.smoke else 32768
-    variants = [
-        dict(chunk=c, block_p=p, num_warps=w, num_stages=st)
-        for c, p, w, st in [
-            (32, 32, 4, 2),
-            (16, 32, 4, 2),
-            (16, 16, 4, 2),
-            (32, 16, 4, 2),
-            (32, 64, 4, 2),
-            (32, 32, 2, 2),
-            (16, 64, 4, 2),
-            (32, 32, 4, 3),
-            (16, 32, 2, 3),
-            (32, 64, 8, 2),
-        ]
-    ]
-    try:
-        for name, H, P, N, G, _ in MODELS:
-            inp = ssd_inputs(T, H, P, N, G, [T], True)
-            for cfg in variants:
-                ssd_mod._launch_config = lambda *a, cfg=cfg, **k: cfg
-                try:
-                    ms = bench(lambda inp=inp: call_ssd(ssd_mod.ssd_scan_varlen_triton, inp))
-                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
-                    log(f"sweep ssd {name} {cfg}: failed: {str(exc)[:200]}")
-                    continue
-                record_time(
-                    f"sweep ssd {name} T={T} {cfg}",
-                    ms,
-                    *ssd_cost(T, H, P, N, G),
-                    kernel="ssd_scan_sweep",
-                    model=name,
-                    config=cfg,
-                )
-            del inp
-    finally:
-        ssd_mod._launch_config = original
-
-
-# ----------------------------------------------------------------------------- state update
 
 
 def su_inputs(Bt: int, H: int, P: int, N: int, G: int, num_slots: int):
@@ -629,7 +584,6 @@ def main() -> None:
         ("time", time_state_update),
         ("time", time_conv),
         ("others", check_others),
-        ("sweep", sweep_ssd),
         ("sweep_su", sweep_state_update),
     ]:
         if section(name):
