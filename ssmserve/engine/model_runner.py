@@ -53,24 +53,28 @@ class ModelRunner:
             has_init.append(chunk.start > 0)
             tables.append(req.block_ids)
         width = max((len(t) for t in tables), default=0) or 1
-        table = torch.zeros(len(tables), width, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            if t:
-                table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        dev = self.device
-        qsl_t = torch.tensor(qsl, dtype=torch.int32)
+        flat_tables = [b for t in tables for b in t + [0] * (width - len(t))]
+        # One host-to-device copy for every index array of the step, sliced on the device:
+        # a dozen small copies would cost more than the decode step's kernels.
+        parts = [input_ids, positions, slot_mapping, qsl, seq_lens, state_slots,
+                 [int(h) for h in has_init], logits_rows, flat_tables]
+        packed = torch.tensor([v for part in parts for v in part], dtype=torch.long)
+        packed = packed.to(self.device, non_blocking=True)
+        views = packed.split([len(part) for part in parts])
+        (ids_t, pos_t, slots_t, qsl_t, lens_t, state_t, init_t, rows_t, tables_t) = views
+        qsl_t = qsl_t.to(torch.int32)
         return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long).to(dev),
-            positions=torch.tensor(positions, dtype=torch.long).to(dev),
-            query_start_loc=qsl_t.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-            state_slots=torch.tensor(state_slots, dtype=torch.long).to(dev),
-            has_initial_state=torch.tensor(has_init, dtype=torch.bool).to(dev),
-            block_tables=table.to(dev),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long).to(dev),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long).to(dev),
+            input_ids=ids_t,
+            positions=pos_t,
+            query_start_loc=qsl_t,
+            seq_lens=lens_t.to(torch.int32),
+            state_slots=state_t,
+            has_initial_state=init_t.bool(),
+            block_tables=tables_t.to(torch.int32).view(len(tables), width),
+            slot_mapping=slots_t,
+            logits_indices=rows_t,
             num_decodes=num_decodes,
-            query_start_loc_p=(qsl_t[num_decodes:] - qsl[num_decodes]).to(dev),
+            query_start_loc_p=qsl_t[num_decodes:] - qsl[num_decodes],
         )
 
     @torch.inference_mode()
