@@ -37,7 +37,7 @@ import tiny_corpus  # noqa: E402
 logger = logging.getLogger("eval_tiny")
 
 BUNDLED_MODELS = ("ssmserve-bamba-tiny", "ssmserve-mamba2-tiny", "ssmserve-mamba-tiny")
-DEFAULT_WINDOW = 1024
+DEFAULT_WINDOW = 512
 AGREEMENT_TOLERANCE = 1e-3
 
 

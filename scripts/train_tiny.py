@@ -216,7 +216,7 @@ def build_model(family: str, vocab_size: int, eos_id: int, seq_len: int):
             mamba_d_conv=4,
             mamba_expand=2,
             mamba_chunk_size=64,
-            max_position_embeddings=4 * seq_len,
+            max_position_embeddings=4096,
             tie_word_embeddings=True,
             **special,
         )
