@@ -168,7 +168,8 @@ def evaluate_folder(
 
 def format_table(results: list[dict]) -> str:
     lines = [
-        "| model | scorer | tokens | bytes | loss (nats/token) | perplexity | bits/byte | seconds |",
+        "| model | scorer | tokens | bytes | loss (nats/token) | perplexity | bits/byte "
+        "| seconds |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for result in results:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 
 def _segment_sum(x: torch.Tensor) -> torch.Tensor:
-    """[..., T] -> [..., T, T] with out[..., i, j] = sum(x[..., j+1 : i+1]) for j <= i, else -inf."""
+    """[..., T] -> [..., T, T]: out[..., i, j] = sum(x[..., j+1 : i+1]) for j <= i, else -inf."""
     length = x.size(-1)
     x = x[..., None].expand(*x.shape, length)
     below = torch.tril(torch.ones(length, length, device=x.device, dtype=torch.bool), diagonal=-1)
