@@ -230,6 +230,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="small config on CPU (smoke test)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--prefill", type=int, default=32768)
+    ap.add_argument("--sections", default="kernels,correctness,speed",
+                    help="comma-separated subset of kernels,correctness,speed")
     args = ap.parse_args()
     cfg = TINY if args.tiny else BAMBA_9B
     device = "cpu" if args.tiny else "cuda"
@@ -247,7 +249,8 @@ def main() -> None:
                 ("speed", lambda: speed(path, cfg["vocab_size"], device, dtype, prefill))]
     if device == "cuda":
         sections.insert(0, ("kernels", kernel_timings))
-    for name, fn in sections:
+    wanted = set(args.sections.split(","))
+    for name, fn in [(n, f) for n, f in sections if n in wanted]:
         try:
             t = time.perf_counter()
             report[name] = fn()
