@@ -600,9 +600,28 @@ def build_app(
         # The template already holds any BOS the model wants.
         return text, tokenizer(text, add_special_tokens=False).input_ids
 
+    def _check_context_length(prompts: list[Any], max_tokens: int) -> None:
+        """As OpenAI and vLLM do: 400 when prompt + max_tokens exceeds the context.
+        (Prompts longer than the context on their own get the engine's message.)"""
+        limit = async_engine.max_model_len
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                n = len(tokenizer(prompt).input_ids)
+            else:
+                n = len(prompt["prompt_token_ids"])
+            if n < limit < n + max_tokens:
+                raise _bad_request(
+                    f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in "
+                    "the completion). Please reduce the length of the prompt or completion.",
+                    "max_tokens",
+                )
+
     async def add_requests(
         request_id: str, prompts: list[Any], params: SamplingParams
     ) -> list[RequestStream]:
+        if params.max_tokens is not None:
+            _check_context_length(prompts, params.max_tokens)
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):

@@ -90,6 +90,23 @@ def test_prompt_longer_than_max_model_len_says_both_numbers(server, engine):
             assert str(n_tokens) in message, message
 
 
+def test_prompt_plus_max_tokens_over_the_context_is_400(server, engine):
+    ids = engine.tokenizer("x = 1\n" * 400).input_ids[: MAX_MODEL_LEN - 10]
+    assert len(ids) == MAX_MODEL_LEN - 10
+    for path, body in [
+        ("/v1/completions", {"prompt": ids, "max_tokens": 50}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x = 1\n" * 60}],
+                                  "max_completion_tokens": MAX_MODEL_LEN}),
+    ]:
+        r = httpx.post(server.base_url + path, json={"model": MODEL_NAME, **body})
+        message = _assert_error(r, 400, "max_tokens")
+        assert f"maximum context length is {MAX_MODEL_LEN} tokens" in message, message
+    # Within the context, the same prompt runs.
+    r = httpx.post(server.base_url + "/v1/completions",
+                   json={"model": MODEL_NAME, "prompt": ids, "max_tokens": 5})
+    assert r.status_code == 200, r.text
+
+
 def test_unknown_model_is_404(server):
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.NotFoundError) as info:
