@@ -346,8 +346,7 @@ class LLMEngine:
         if sample_chunks:
             sample_rows = []
             for chunk, _ in sample_chunks:
-                _, sample = self._owner[chunk.request.request_id]
-                group = self._owner[chunk.request.request_id][0]
+                group, sample = self._owner[chunk.request.request_id]
                 sample_rows.append(SamplingRow(group.params, sample.generator,
                                                group.prompt_token_ids,
                                                chunk.request.output_token_ids))
@@ -387,14 +386,10 @@ class LLMEngine:
         lp = float(out.logprobs[i])
         sample.cumulative_logprob += lp
         if sample.logprobs is not None:
-            entry = {token: Logprob(lp, int(out.ranks[i]), self._decode_one(token))}
             k = group.params.logprobs or 0
-            if k and out.top_ids is not None:
-                for rank, (tid, tlp) in enumerate(
-                    zip(out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()), 1
-                ):
-                    entry.setdefault(tid, Logprob(tlp, rank, self._decode_one(tid)))
-            sample.logprobs.append(entry)
+            top = (out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()) \
+                if k and out.top_ids is not None else ([], [])
+            sample.logprobs.append(self._logprob_entry(token, lp, int(out.ranks[i]), *top))
         delta = sample.detokenizer.add(token)
         stops = group.params.stop
         if stops and not request.is_finished and delta:
@@ -420,13 +415,18 @@ class LLMEngine:
             k = group.params.prompt_logprobs or 0
             top = lps.topk(k, dim=-1) if k else None
             for j in range(count):
-                tid = int(targets[j])
-                entry = {tid: Logprob(float(chosen[j]), int(ranks[j]), self._decode_one(tid))}
-                if top is not None:
-                    for rank, (t, v) in enumerate(zip(top.indices[j].tolist(),
-                                                      top.values[j].tolist()), 1):
-                        entry.setdefault(t, Logprob(v, rank, self._decode_one(t)))
-                group.prompt_logprobs.append(entry)
+                alternatives = (top.indices[j].tolist(), top.values[j].tolist()) \
+                    if top is not None else ([], [])
+                group.prompt_logprobs.append(self._logprob_entry(
+                    int(targets[j]), float(chosen[j]), int(ranks[j]), *alternatives))
+
+    def _logprob_entry(self, token_id: int, logprob: float, rank: int, top_ids: list[int],
+                       top_logprobs: list[float]) -> dict[int, Logprob]:
+        """One position's logprobs: the actual token, then the top alternatives by rank."""
+        entry = {token_id: Logprob(logprob, rank, self._decode_one(token_id))}
+        for r, (tid, lp) in enumerate(zip(top_ids, top_logprobs), 1):
+            entry.setdefault(tid, Logprob(lp, r, self._decode_one(tid)))
+        return entry
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -42,9 +42,6 @@ def profile_activation_peak(model: CausalLM, device: torch.device, num_tokens: i
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del hidden
-    for layer in model.attention_layers():
-        layer.k_cache = layer.v_cache = None
-    for layer in model.ssm_layers():
-        layer.conv_state = layer.ssm_state = None
+    model.release_caches()
     torch.cuda.empty_cache()
     return int(peak)

@@ -26,9 +26,7 @@ class ModelRunner:
     @staticmethod
     def order_chunks(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """Decodes (one new token, state to resume from) first, then everything else."""
-        decodes = [c for c in chunks if c.num_new_tokens == 1 and c.start > 0]
-        rest = [c for c in chunks if not (c.num_new_tokens == 1 and c.start > 0)]
-        return decodes + rest
+        return [c for c in chunks if c.is_decode] + [c for c in chunks if not c.is_decode]
 
     def prepare(self, chunks: list[ScheduledChunk], logits_rows: list[int]) -> ForwardBatch:
         """`chunks` must already be in `order_chunks` order."""
@@ -38,8 +36,7 @@ class ModelRunner:
         num_decodes = 0
         for chunk in chunks:
             req = chunk.request
-            if chunk.num_new_tokens == 1 and chunk.start > 0:
-                num_decodes += 1
+            num_decodes += chunk.is_decode
             pos = range(chunk.start, chunk.end)
             input_ids.extend(req.all_token_ids[chunk.start:chunk.end])
             positions.extend(pos)

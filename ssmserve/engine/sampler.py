@@ -27,7 +27,7 @@ class SamplingRow:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: torch.Tensor  # [B] raw logprob of each sampled token
-    ranks: torch.Tensor  # [B] rank of the sampled token in the raw distribution (1 = top)
+    ranks: torch.Tensor | None  # [B] rank in the raw distribution (1 = top), if asked for
     top_ids: torch.Tensor | None  # [B, K] top alternatives (K = max requested), or None
     top_logprobs: torch.Tensor | None
 
@@ -112,7 +112,9 @@ class Sampler:
                 noise.clamp_(min=1e-30)  # a zero draw would divide a banned token by 0
                 chosen[i] = (probs[i] / noise).argmax()
         chosen_lp = raw_logprobs.gather(1, chosen[:, None]).squeeze(1)
-        ranks = (raw_logprobs > chosen_lp[:, None]).sum(-1) + 1
+        ranks = None
+        if any(r.params.logprobs is not None for r in rows):
+            ranks = (raw_logprobs > chosen_lp[:, None]).sum(-1) + 1
         k = max((r.params.logprobs or 0) for r in rows)
         top_ids = top_lps = None
         if k > 0:

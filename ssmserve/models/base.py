@@ -68,3 +68,9 @@ class CausalLM(nn.Module):
             attn.allocate_cache(num_kv_blocks, block_size, dtype, device)
         for mixer in self.ssm_layers():
             mixer.allocate_cache(num_state_slots, dtype, state_dtype, device)
+
+    def release_caches(self) -> None:
+        for attn in self.attention_layers():
+            attn.k_cache = attn.v_cache = None
+        for mixer in self.ssm_layers():
+            mixer.conv_state = mixer.ssm_state = None

@@ -20,6 +20,11 @@ class ScheduledChunk:
         return self.start + self.num_new_tokens
 
     @property
+    def is_decode(self) -> bool:
+        """One new token on top of computed ones: the one-token SSM update path."""
+        return self.num_new_tokens == 1 and self.start > 0
+
+    @property
     def completes_prompt(self) -> bool:
         """True when after this chunk every known token is computed: sample a new one."""
         return self.end == self.request.num_tokens
