@@ -7,13 +7,27 @@ is block * block_size + offset.
 Query i of sequence s (q_len = query_start_loc[s+1] - query_start_loc[s]) sits at
 position seq_lens[s] - q_len + i and attends to cache positions
 max(0, pos - sliding_window + 1) .. pos. Query head h reads KV head h // (H // KVH).
+
+`num_decodes` (a host-side count, like ForwardBatch.num_decodes) says the first
+sequences have exactly one query each; the Triton launcher gives them its decode kernel
+without reading any device tensor, so the choice is CUDA-graph safe.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 
-from ssmserve.kernels._common import check_shape, interpret_mode, lazy_jit, next_pow2, tl
+from ssmserve.kernels._common import (
+    check_shape,
+    interpret_mode,
+    lazy_jit,
+    next_pow2,
+    num_sms,
+    tl,
+)
 
 
 def _check_kv_write_args(
@@ -61,6 +75,7 @@ def _check_attention_args(
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
+    num_decodes: int,
 ) -> tuple[int, int, int, int, int]:
     check_shape("q", q, [None, None, None])
     T, H, Dh = q.shape
@@ -73,6 +88,11 @@ def _check_attention_args(
     S = seq_lens.shape[0]
     check_shape("block_tables", block_tables, [S, None])
     check_shape("query_start_loc", query_start_loc, [S + 1])
+    if not 0 <= num_decodes <= min(S, T):
+        raise ValueError(
+            f"num_decodes must lie in [0, min(sequences, queries)] = [0, {min(S, T)}], "
+            f"got {num_decodes}"
+        )
     return T, H, KVH, Dh, S
 
 
@@ -86,6 +106,7 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    num_decodes: int = 0,
 ) -> torch.Tensor:
     """Causal attention of packed queries over a paged KV cache, softmax in float32.
 
@@ -99,16 +120,23 @@ def paged_attention_ref(
         scale: softmax scale (usually Dh ** -0.5).
         sliding_window: if set, a query attends to at most this many latest positions
             (itself included).
+        num_decodes: the first num_decodes sequences have exactly one query each (0 =
+            nothing known; the result does not depend on it).
 
     Returns:
         out: [T, H, Dh] in q.dtype.
     """
     T, H, KVH, Dh, S = _check_attention_args(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, num_decodes
     )
     block_size = k_cache.shape[1]
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    if any(qsl[s + 1] - qsl[s] != 1 for s in range(num_decodes)):
+        raise ValueError(
+            f"num_decodes={num_decodes} but the first sequences' query counts are "
+            f"{[qsl[s + 1] - qsl[s] for s in range(num_decodes)]}; each must be 1"
+        )
     out = torch.zeros(T, H, Dh, dtype=q.dtype, device=q.device)
     for s in range(S):
         q_len, n = qsl[s + 1] - qsl[s], lens[s]
@@ -180,54 +208,82 @@ def write_kv_cache_triton(
     )  # fmt: skip
 
 
+# Both attention paths run one kernel. A program owns BLOCK_Q queries of one sequence and
+# one KV head, and makes the rows of its dots from (query, query head of that KV head's
+# group) pairs: row r is query r // HEADS_PER_KV, head kv_head * HEADS_PER_KV +
+# r % HEADS_PER_KV. So each KV tile is read once for the whole group, and a decode
+# (BLOCK_Q = 1) fills the rows with the group's heads instead of 15 empty queries.
+#
+# Prefill: programs are numbered so that sequence s owns ids from
+# (qsl[s] - qsl[first]) // BLOCK_Q + (s - first) on; that numbering is strictly increasing
+# in s, so a binary search maps a program to its sequence with no host-side metadata.
+# Decode (SEARCH_STEPS = 0): program id = sequence, and the context may be split over
+# NUM_SPLITS programs (flash-decoding), each writing a normalised partial output and its
+# log2-sum-exp; `_merge_splits_kernel` combines them.
+
+
 @lazy_jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr,
-    seq_lens_ptr, scale, num_seqs, heads_per_kv, Dh, block_size, window,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    qk_scale, first_seq, num_seqs, Dh, block_size, window,
     stride_q_t, stride_q_h, stride_q_d,
     stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
     stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d,
     stride_o_t, stride_o_h, stride_o_d, stride_bt_s, stride_bt_b,
-    HAS_WINDOW: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    HEADS_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # Query blocks are numbered so that sequence s owns ids from
-    # qsl[s] // BLOCK_M + s on; that numbering is strictly increasing in s, so a
-    # binary search maps a program to its sequence with no host-side metadata.
     pid = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // heads_per_kv
-    lo = 0
-    hi = num_seqs
-    for _ in tl.static_range(SEARCH_STEPS):  # invariant: first_block(lo) <= pid
-        mid = (lo + hi) // 2
-        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid
-        go_right = (first_block <= pid) & (hi - lo > 1)
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where(~go_right & (hi - lo > 1), mid, hi)
-    seq = lo
-    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if SEARCH_STEPS > 0:
+        base = tl.load(query_start_loc_ptr + first_seq)
+        lo = 0
+        hi = num_seqs
+        for _ in tl.static_range(SEARCH_STEPS):  # invariant: first id of lo <= pid
+            mid = (lo + hi) // 2
+            first_id = (tl.load(query_start_loc_ptr + first_seq + mid) - base) // BLOCK_Q + mid
+            go_right = (first_id <= pid) & (hi - lo > 1)
+            lo = tl.where(go_right, mid, lo)
+            hi = tl.where(~go_right & (hi - lo > 1), mid, hi)
+        seq = first_seq + lo
+        q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+        m_block = pid - ((q_start - base) // BLOCK_Q + lo)
+    else:
+        seq = first_seq + pid
+        q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+        m_block = 0
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
-    m_block = pid - (q_start // BLOCK_M + seq)
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = m_block * BLOCK_Q + rows // HEADS_PER_KV  # query index within the sequence
+    head = kv_head * HEADS_PER_KV + rows % HEADS_PER_KV
+    mask_m = (rows < BLOCK_Q * HEADS_PER_KV) & (q_idx < q_len)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < q_len
     mask_d = offs_d < Dh
-    q_pos = seq_len - q_len + offs_m
-    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_q_t + head * stride_q_h
+    q_pos = seq_len - q_len + q_idx
+    q = tl.load(q_ptr + (q_start + q_idx)[:, None] * stride_q_t + head[:, None] * stride_q_h
                 + offs_d[None, :] * stride_q_d,
                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # fmt: skip
-    q = (q.to(tl.float32) * scale).to(DOT_DTYPE)
+    q = q.to(DOT_DTYPE)
 
-    # Keys this block can see: [kv_lo, kv_hi); empty when the block has no queries.
-    kv_hi = tl.minimum(seq_len, seq_len - q_len + (m_block + 1) * BLOCK_M)
-    kv_hi = tl.where(m_block * BLOCK_M < q_len, kv_hi, 0)
+    # Keys this program can see: [kv_lo, kv_hi); empty when it has no queries.
+    kv_hi = tl.minimum(seq_len, seq_len - q_len + (m_block + 1) * BLOCK_Q)
+    kv_hi = tl.where(m_block * BLOCK_Q < q_len, kv_hi, 0)
     kv_lo = 0
     if HAS_WINDOW:
-        kv_lo = tl.maximum(seq_len - q_len + m_block * BLOCK_M - window + 1, 0)
+        kv_lo = tl.maximum(seq_len - q_len + m_block * BLOCK_Q - window + 1, 0)
         kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
+    if NUM_SPLITS > 1:
+        # Whole tiles per split; a split past the end of a short sequence is empty.
+        tiles = tl.cdiv(tl.maximum(kv_hi - kv_lo, 0), BLOCK_N)
+        split_len = tl.cdiv(tiles, NUM_SPLITS) * BLOCK_N
+        kv_lo = kv_lo + split * split_len
+        kv_hi = tl.minimum(kv_hi, kv_lo + split_len)
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -244,24 +300,92 @@ def _paged_attention_kernel(
         v = tl.load(v_cache_ptr + block[:, None] * stride_vc_b + offset[:, None] * stride_vc_o
                     + kv_head * stride_vc_h + offs_d[None, :] * stride_vc_d,
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # fmt: skip
-        scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-        allowed = (k_pos[None, :] <= q_pos[:, None]) & mask_n[None, :] & mask_m[:, None]
+        scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+        # Rows past the valid ones are never stored, so they need no mask here.
+        allowed = (k_pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
         if HAS_WINDOW:
             allowed &= k_pos[None, :] > q_pos[:, None] - window
         scores = tl.where(allowed, scores, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         # Rows with nothing allowed yet keep m = -inf; subtract 0 there to avoid NaN.
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
                                             input_precision=DOT_PRECISION)  # fmt: skip
         m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_o_t + head * stride_o_h
-             + offs_d[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_d[None, :])  # fmt: skip
+    mask_out = mask_m[:, None] & mask_d[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + (q_start + q_idx)[:, None] * stride_o_t + head[:, None] * stride_o_h
+                 + offs_d[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty),
+                 mask=mask_out)  # fmt: skip
+    else:
+        # Partials are [seqs, H, NUM_SPLITS, BLOCK_D] and [seqs, H, NUM_SPLITS], contiguous.
+        part = (seq * (HEADS_PER_KV * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :], out, mask=mask_out)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), -float("inf"))
+        tl.store(part_lse_ptr + part, lse, mask=mask_m)
+
+
+@lazy_jit
+def _merge_splits_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, Dh,
+    stride_o_t, stride_o_h, stride_o_d,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    part = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    lse = tl.load(part_lse_ptr + part + offs_s, mask=mask_s, other=-float("inf"))
+    m = tl.max(lse, axis=0)
+    weight = tl.exp2(lse - tl.where(m == -float("inf"), 0.0, m))  # 0 for empty splits
+    total = tl.sum(weight, axis=0)
+    parts = tl.load(part_out_ptr + (part + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
+                    mask=mask_s[:, None], other=0.0)  # fmt: skip
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    tl.store(out_ptr + q_start * stride_o_t + head * stride_o_h + offs_d * stride_o_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < Dh)  # fmt: skip
+
+
+def _decode_config(
+    num_seqs: int, KVH: int, heads_per_kv: int, Dh: int, max_context: int, device: torch.device
+) -> dict[str, Any]:
+    """Launch options of the decode path (benchmarks/kernels/bench_paged_attention.py
+    sweeps these).
+
+    block_m: rows of the dots, the group's query heads padded to 16.
+    block_n: keys per tile; 32 where 64 would spill registers (wide groups, Dh > 128).
+    num_splits: programs per (sequence, KV head). Enough that all of them fill the GPU
+        about four times over, but no split shorter than two tiles of the longest
+        context the block tables can hold. Only host numbers decide it, so one CUDA graph
+        serves every context length up to that.
+    """
+    block_m = max(16, next_pow2(heads_per_kv))
+    block_n = 64 if block_m * max(16, next_pow2(Dh)) <= 16 * 128 else 32
+    # The interpreter has no SMs; a small stand-in lets CPU tests reach the split path.
+    sms = num_sms(device) if device.type == "cuda" else 2
+    num_splits = max(1, 4 * sms // max(1, num_seqs * KVH))
+    num_splits = min(num_splits, 64, max(1, -(-max_context // (2 * block_n))))
+    return {"block_m": block_m, "block_n": block_n, "num_splits": num_splits,
+            "num_warps": 4, "num_stages": 3}  # fmt: skip
+
+
+def _prefill_config(heads_per_kv: int, Dh: int) -> dict[str, Any]:
+    """Launch options of the prefill path: about 64 rows of (query, head) per program."""
+    block_m = max(64, next_pow2(heads_per_kv))
+    return {
+        "block_m": block_m,
+        "block_q": block_m // heads_per_kv,
+        "block_n": 32,
+        "num_warps": 8 if Dh > 128 else 4,
+        "num_stages": 2,
+    }
 
 
 def paged_attention_triton(
@@ -274,32 +398,65 @@ def paged_attention_triton(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    num_decodes: int = 0,
 ) -> torch.Tensor:
     """Triton twin of `paged_attention_ref` (same arguments, shapes and result).
 
-    One program per (block of up to 16 queries of one sequence, query head), flash-
-    style online softmax over the sequence's cache blocks. No host sync.
+    The first `num_decodes` sequences take the decode path: one program per (sequence,
+    KV head, context split), the group's query heads as the rows of its dots, so each KV
+    block is read once per KV head. The rest take the prefill path: one program per
+    (block of queries, KV head), flash-style online softmax. No host sync.
     """
     T, H, KVH, Dh, S = _check_attention_args(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, num_decodes
     )
     out = torch.empty_like(q)
     if T == 0 or S == 0:
         return out
-    block_m, block_n = 16, 32
     if q.dtype == torch.float32 or interpret_mode():
+        # The interpreter mis-computes 16-bit tl.dot; float32 there is also more exact.
         dot_dtype, precision = tl.float32, "ieee"
     else:
         dot_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16
         precision = "tf32"
-    grid = (T // block_m + S, H)
-    _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, float(scale),
-        S, H // KVH, Dh, k_cache.shape[1], sliding_window or 0,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
-        *block_tables.stride(),
-        HAS_WINDOW=sliding_window is not None, SEARCH_STEPS=max(1, S.bit_length()),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(Dh)),
+    block_size = k_cache.shape[1]
+    heads_per_kv = H // KVH
+    block_d = max(16, next_pow2(Dh))  # tl.dot needs every dimension >= 16 on the GPU
+    args = (block_tables, query_start_loc, seq_lens, float(scale) * math.log2(math.e))
+    strides = (Dh, block_size, sliding_window or 0, *q.stride(), *k_cache.stride(),
+               *v_cache.stride(), *out.stride(), *block_tables.stride())  # fmt: skip
+    meta = dict(
+        HEADS_PER_KV=heads_per_kv, HAS_WINDOW=sliding_window is not None, BLOCK_D=block_d,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
     )  # fmt: skip
+    if num_decodes > 0:
+        max_context = block_tables.shape[1] * block_size
+        cfg = _decode_config(num_decodes, KVH, heads_per_kv, Dh, max_context, q.device)
+        splits = cfg["num_splits"]
+        part_out = part_lse = out  # not touched with one split
+        if splits > 1:
+            part_out = q.new_empty(num_decodes, H, splits, block_d, dtype=torch.float32)
+            part_lse = q.new_empty(num_decodes, H, splits, dtype=torch.float32)
+        _paged_attention_kernel[(num_decodes, KVH, splits)](
+            q, k_cache, v_cache, out, part_out, part_lse, *args, 0, num_decodes, *strides,
+            BLOCK_Q=1, NUM_SPLITS=splits, SEARCH_STEPS=0,
+            BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta,
+        )  # fmt: skip
+        if splits > 1:
+            _merge_splits_kernel[(num_decodes, H)](
+                out, part_out, part_lse, query_start_loc, Dh, *out.stride(),
+                NUM_SPLITS=splits, BLOCK_S=next_pow2(splits), BLOCK_D=block_d,
+            )  # fmt: skip
+    num_prefills = S - num_decodes
+    if num_prefills > 0:
+        cfg = _prefill_config(heads_per_kv, Dh)
+        # decodes hold exactly one query each, so the prefills hold T - num_decodes
+        grid = ((T - num_decodes) // cfg["block_q"] + num_prefills, KVH, 1)
+        _paged_attention_kernel[grid](
+            q, k_cache, v_cache, out, out, out, *args, num_decodes, num_prefills, *strides,
+            BLOCK_Q=cfg["block_q"], NUM_SPLITS=1, SEARCH_STEPS=num_prefills.bit_length(),
+            BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta,
+        )  # fmt: skip
     return out

@@ -63,5 +63,6 @@ class Attention(nn.Module):
             query_start_loc=batch.query_start_loc,
             seq_lens=batch.seq_lens,
             scale=self.scale,
+            num_decodes=batch.num_decodes,
         )
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

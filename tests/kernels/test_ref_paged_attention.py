@@ -99,3 +99,21 @@ def test_kv_write_skips_negative_slots():
     k_before[2, 1], k_before[0, 0] = k[0], k[2]
     v_before[2, 1], v_before[0, 0] = v[0], v[2]
     assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
+
+
+def test_num_decodes_must_count_one_query_sequences():
+    case = build_case([3, 5, 0], [1, 2, 4], H=2, KVH=1)
+    kw = dict(
+        block_tables=case["block_tables"],
+        query_start_loc=case["query_start_loc"],
+        seq_lens=case["seq_lens"],
+        scale=0.5,
+    )
+    out = paged_attention_ref(case["q"], case["k_cache"], case["v_cache"], **kw)
+    assert torch.equal(
+        paged_attention_ref(case["q"], case["k_cache"], case["v_cache"], **kw, num_decodes=1), out
+    )
+    with pytest.raises(ValueError, match="each must be 1"):
+        paged_attention_ref(case["q"], case["k_cache"], case["v_cache"], **kw, num_decodes=2)
+    with pytest.raises(ValueError, match="num_decodes must lie in"):
+        paged_attention_ref(case["q"], case["k_cache"], case["v_cache"], **kw, num_decodes=4)

@@ -8,6 +8,7 @@ from kernel_testing import assert_close, randn, seeded
 from test_ref_paged_attention import build_case
 from triton_testing import DEVICE, requires_triton
 
+from ssmserve.kernels import paged_attention as attn_mod
 from ssmserve.kernels.gated_rms_norm import gated_rms_norm_ref, gated_rms_norm_triton
 from ssmserve.kernels.paged_attention import (
     paged_attention_ref,
@@ -46,18 +47,75 @@ def test_write_kv_cache_matches_twin():
     assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
 
 
-@pytest.mark.parametrize("H,KVH", [(4, 2), (3, 1)])
+# decodes first (1 token, exactly one block, block + 1, long), then prefills: over cached
+# context crossing a 16-query block, plain, with no queries, one token over context
+DECODE_CTX, PREFILL_CTX, PREFILL_Q = [0, 3, 4, 37], [5, 0, 9, 2], [18, 7, 0, 1]
+
+
+def attention_case(H, KVH, Dh, dtype, block_size=4, decode_ctx=DECODE_CTX, prefills=True):
+    ctx = decode_ctx + (PREFILL_CTX if prefills else [])
+    q_lens = [1] * len(decode_ctx) + (PREFILL_Q if prefills else [])
+    case = build_case(ctx, q_lens, H, KVH, Dh=Dh, block_size=block_size, dtype=dtype)
+    tensors = [case[n].to(DEVICE) for n in ("q", "k_cache", "v_cache")]
+    kw = {n: case[n].to(DEVICE) for n in ("block_tables", "query_start_loc", "seq_lens")}
+    return tensors, dict(kw, scale=Dh**-0.5)
+
+
+# GQA factors 1, 2, 4, 8 and MQA with 6 heads; head dims below 16 and not powers of two
+@pytest.mark.parametrize(
+    "H,KVH,Dh,dtype",
+    [(3, 3, 8, torch.float32), (4, 2, 12, torch.bfloat16), (8, 2, 8, torch.bfloat16),
+     (16, 2, 20, torch.float32), (6, 1, 12, torch.bfloat16)],
+)  # fmt: skip
 @pytest.mark.parametrize("sliding_window", [None, 6])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_matches_twin(H, KVH, sliding_window, dtype):
-    # prefill over cached context (crossing a 16-query block), plain prefill, decodes
-    case = build_case([5, 0, 9, 1], [18, 7, 1, 1], H, KVH, Dh=12, dtype=dtype)
-    kw = dict(
-        block_tables=case["block_tables"].to(DEVICE),
-        query_start_loc=case["query_start_loc"].to(DEVICE),
-        seq_lens=case["seq_lens"].to(DEVICE), scale=12**-0.5, sliding_window=sliding_window,
-    )  # fmt: skip
-    q, kc, vc = (case[n].to(DEVICE) for n in ("q", "k_cache", "v_cache"))
+def test_paged_attention_mixed_batch_matches_twin(H, KVH, Dh, dtype, sliding_window):
+    (q, kc, vc), kw = attention_case(H, KVH, Dh, dtype)
+    kw["sliding_window"] = sliding_window
     out_ref = paged_attention_ref(q, kc, vc, **kw)
-    out = paged_attention_triton(q, kc, vc, **kw)
+    # all sequences through the prefill path, then the decodes through the decode path
+    assert_close(paged_attention_triton(q, kc, vc, **kw), out_ref)
+    out = paged_attention_triton(q, kc, vc, **kw, num_decodes=len(DECODE_CTX))
     assert_close(out, out_ref)
+
+
+@pytest.mark.parametrize("num_splits,block_n", [(1, 16), (3, 16), (8, 64)])
+@pytest.mark.parametrize("sliding_window", [None, 21])
+def test_paged_attention_decode_splits_match_twin(monkeypatch, num_splits, block_n,
+                                                  sliding_window):  # fmt: skip
+    # ragged contexts at the engine's block size; 100 tokens is 7 tiles of 16, so with 3
+    # splits of 3 tiles the last split is short, and 1-token contexts leave splits empty
+    cfg = dict(block_m=16, block_n=block_n, num_splits=num_splits, num_warps=4, num_stages=2)
+    monkeypatch.setattr(attn_mod, "_decode_config", lambda *args: cfg)
+    (q, kc, vc), kw = attention_case(8, 2, 8, torch.float32, block_size=16,
+                                     decode_ctx=[0, 15, 16, 99, 63], prefills=False)  # fmt: skip
+    kw["sliding_window"] = sliding_window
+    out = paged_attention_triton(q, kc, vc, **kw, num_decodes=5)
+    assert_close(out, paged_attention_ref(q, kc, vc, **kw))
+
+
+def test_decode_padding_rows_touch_nothing():
+    # The shape of a CUDA-graph decode batch padded from 3 to 6 rows: padding rows have
+    # one query, seq_len 1, KV slot -1 and a block-table row of zeros or stale blocks.
+    (q, kc, vc), kw = attention_case(4, 2, 8, torch.bfloat16, decode_ctx=[4, 0, 30],
+                                     prefills=False)  # fmt: skip
+    n, size = 3, 6
+    gen = seeded(7)
+    q_pad = torch.cat([q, randn(size - n, 4, 8, gen=gen, dtype=q.dtype).to(DEVICE)])
+    tables = torch.zeros(size, kw["block_tables"].shape[1], dtype=torch.int32, device=DEVICE)
+    tables[:n] = kw["block_tables"]
+    tables[n + 1] = kw["block_tables"][0]  # stale row left by an earlier, larger batch
+    padded = dict(
+        block_tables=tables,
+        query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.cat([kw["seq_lens"], torch.ones(size - n, dtype=torch.int32,
+                                                       device=DEVICE)]),
+        scale=kw["scale"],
+    )  # fmt: skip
+    k_new = randn(size, 2, 8, gen=gen, dtype=q.dtype).to(DEVICE)
+    slots = torch.full((size,), -1, dtype=torch.long, device=DEVICE)
+    kc_before, vc_before = kc.clone(), vc.clone()
+    write_kv_cache_triton(k_new, k_new, kc, vc, slots)
+    out = paged_attention_triton(q_pad, kc, vc, **padded, num_decodes=size)
+    assert torch.equal(kc, kc_before) and torch.equal(vc, vc_before)
+    assert_close(out[:n], paged_attention_ref(q, kc, vc, **kw, num_decodes=n))
+    assert torch.isfinite(out[n:].float()).all()
