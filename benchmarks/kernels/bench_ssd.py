@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import subprocess
@@ -38,19 +39,32 @@ MODELS = [("bamba-9b", 128, 64, 128, 1), ("mamba2-2.7b", 80, 64, 128, 1)]
 CHUNK_SIZE = 256  # both models' mamba chunk_size
 TIME_BUDGET_S = 85.0
 SWEEP = [
-    {"chunk": 256, "block_m": 64, "block_k": 64, "num_warps": 8},
-    {"chunk": 256, "block_m": 128, "block_k": 64, "num_warps": 8},
-    {"chunk": 256, "block_m": 64, "block_k": 32},
-    {"chunk": 256, "num_stages": 3},
-    {"chunk": 256, "state_block": 256},
-    {"chunk": 256, "state_block": 1024},
-    {"chunk": 128, "block_m": 64, "block_k": 64},
-    {"chunk": 128, "block_m": 128, "block_k": 64, "num_warps": 8},
-    {"chunk": 64, "block_m": 64, "block_k": 64},
+    {"maxnreg": 168},
+    {"num_warps": 8},
+    {"block_p": 32},
+    {"block_p": 32, "num_warps": 8},
+    {"num_stages": 1},
+    {"num_stages": 3},
+    {"block_t": 32},
+    {"block": 32},
+    {"block": 32, "num_warps": 8},
+    {"chunk": 128},
+    {"chunk": 128, "num_warps": 8},
 ]
 
 ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ARGS.add_argument("--out", default="bench_ssd.json", help="path of the JSON results file")
+ARGS.add_argument(
+    "--sections",
+    default="accuracy,graph,sizes,profile,sweep",
+    help="comma-separated subset of: accuracy, graph, sizes, profile, sweep",
+)
+ARGS.add_argument("--budget", type=float, default=85.0, help="seconds before the sweep stops")
+ARGS.add_argument("--sweep", default=None, help="JSON list of launch-config overrides to sweep")
+ARGS.add_argument(
+    "--compare", default=None,
+    help="path of another ssd_scan.py (e.g. the previous commit's) to time beside this one",
+)  # fmt: skip
 DEV = torch.device("cuda")
 START = time.perf_counter()
 RESULTS: dict[str, Any] = {"checks": [], "timings": [], "kernels": [], "errors": []}
@@ -137,11 +151,11 @@ def costs(T: int, S: int, H: int, P: int, N: int, G: int, chunk: int) -> dict[st
     essential = 2 * T * H * P * 2 + T * H * 2 + 2 * T * G * N * 2 + 2 * S * H * P * N * 4
     # FLOP as in bench_kernels.py (64-token chunks), so floors compare across scripts
     flops = T * H * (2 * 64 * P + 4 * N * P) + T * G * 2 * 64 * N
-    chunks = triton.cdiv(T, chunk) + S - 1
-    # x read twice; per chunk and head a float32 contribution written and read, and a
-    # bf16 entering state written and read; C.B^T per chunk and group written
-    design = essential + T * H * P * 2 + chunks * H * P * N * (4 + 4 + 2 + 2)
-    design += chunks * G * chunk * chunk * 2
+    chunks = triton.cdiv(T, chunk) + S
+    # dt and its cumsum (float32, written once, read twice); C.B^T per chunk and group
+    # (written, read). Chained states stay in L2 (a two-deep ring per head) and x's second
+    # read comes from L2 (the same program read it moments before), so neither counts.
+    design = essential + T * H * 4 * 2 * 3 + chunks * G * chunk * chunk * 2 * 2
     return {
         "bytes": essential,
         "flops": flops,
@@ -259,6 +273,30 @@ def time_sizes() -> None:
             del inp
 
 
+def time_compared(path: str) -> None:
+    """(c') The same 32k / 4k cases through another version of ssd_scan.py, for A/B."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ssd_compared", path)
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    name, H, P, N, G = MODELS[0]
+    for lengths in ([4096], [32768]):
+        inp = make_inputs(lengths, H, P, N, G, True)
+        ref_inp = {**inp, "ssm_state": inp["ssm_state"].clone()}
+        y_this = call(ssd_mod.ssd_scan_varlen_triton, ref_inp)
+        y_other = call(other.ssd_scan_varlen_triton, inp)
+        record_check(
+            f"{name} T={sum(lengths)} this == {path}",
+            {
+                "y": rel_err(y_this, y_other),
+                "state": rel_err(ref_inp["ssm_state"], inp["ssm_state"]),
+            },
+        )
+        ms = bench_ms(lambda inp=inp: call(other.ssd_scan_varlen_triton, inp))
+        record_time(f"{name} T={sum(lengths)} compared: {path}", ms, sum(lengths), 1, H, P, N, G)
+
+
 def profile_kernels() -> None:
     """(d) GPU time of each of the five launches in one 32k call (Bamba-9B dims)."""
     from torch.profiler import ProfilerActivity, profile
@@ -330,8 +368,18 @@ def main() -> None:
         raise SystemExit("bench_ssd.py needs a CUDA GPU")
     RESULTS["env"] = environment()
     log(json.dumps(RESULTS["env"]))
-    for section in (check_accuracy, check_cuda_graph, time_sizes, profile_kernels,
-                    sweep_configs):  # fmt: skip
+    global TIME_BUDGET_S, SWEEP
+    TIME_BUDGET_S = opts.budget
+    if opts.sweep:
+        SWEEP = json.loads(opts.sweep)
+    named = {"accuracy": check_accuracy, "graph": check_cuda_graph, "sizes": time_sizes,
+             "profile": profile_kernels, "sweep": sweep_configs}  # fmt: skip
+    sections = [named[name] for name in opts.sections.split(",")]
+    if opts.compare:
+        compared = functools.partial(time_compared, opts.compare)
+        compared.__name__ = "time_compared"
+        sections.append(compared)
+    for section in sections:
         guarded(section)
         log(f"-- {section.__name__} done at {time.perf_counter() - START:.1f} s")
     RESULTS["wall_s"] = time.perf_counter() - START

@@ -171,25 +171,29 @@ def ssd_scan_varlen_ref(
 
 # ---------------------------------------------------------------------------- Triton
 #
-# The Triton path is the chunk-parallel SSD decomposition, five launches, no host sync:
+# The Triton path is the chunked SSD decomposition in three launches, no host sync:
 #   1. _ssd_chunk_cumsum_kernel: chunk metadata from cu_seqlens (chunks restart at each
-#      sequence's first token), processed dt and its chunk-local cumsum of dt*A.
+#      sequence's first token; an empty sequence owns one empty chunk), processed dt and
+#      its chunk-local cumsum of dt*A.
 #   2. _ssd_chunk_cb_kernel: C_i . B_j per (chunk, group), shared by the group's heads.
-#   3. _ssd_chunk_state_kernel: each chunk's own end-state contribution (zero state in),
-#      all chunks in parallel, into a float32 [chunk, H, P, N] buffer.
-#   4. _ssd_state_passing_kernel: per sequence, the only sequential pass, over state-sized
-#      data: S_k = exp(sum dA_k) S_{k-1} + contribution_k, from the slot state or zeros;
-#      writes the state entering each chunk and the final state into the slot.
-#   5. _ssd_chunk_output_kernel: per chunk and block of rows, all in parallel:
-#      y = (C B^T * decay * dt) x + exp(cum) C S_in + D x, gated by silu(z).
-# Chunk ids run over an upper bound, cdiv(T, chunk) + S - 1, so grids and buffers never
-# depend on device values; ids past the real chunks have length 0 and do nothing.
+#   3. _ssd_chunk_scan_kernel: one program per (chunk, head) does the rest: the chunk's
+#      own end-state contribution (all chunks in parallel), then the one sequential step
+#      S_out = exp(sum dA) S_in + contribution, chained from the previous chunk's program
+#      through a flag per head (a "chained scan": only this step waits), then the
+#      chunk's outputs y = exp(cum) C S_in + (C B^T * decay * dt) x + D x, gated by silu(z).
+# Chained states never leave L2: they go through a two-deep ring per head. Programs take
+# their (chunk, head) from an atomic ticket in chunk-major order, so every program a
+# program waits on has started before it (no deadlock whatever order the GPU launches
+# programs in), and the interpreter, which runs programs one by one, never waits.
+# Chunk ids run over an upper bound, cdiv(T, chunk) + S, so grids and buffers never
+# depend on device values; ids past the real chunks belong to no sequence and do nothing.
 
 
 @lazy_jit
 def _ssd_chunk_cumsum_kernel(
     dt_ptr, A_ptr, dt_bias_ptr, cu_seqlens_ptr,
-    dt_out_ptr, cum_out_ptr, chunk_start_ptr, chunk_len_ptr, seq_first_chunk_ptr,
+    dt_out_ptr, cum_out_ptr, chunk_start_ptr, chunk_len_ptr, chunk_seq_ptr,
+    seq_first_chunk_ptr,
     num_seqs, H, dt_min, dt_max,
     stride_dt_t, stride_dt_h,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, CLAMP_DT: tl.constexpr,
@@ -198,20 +202,22 @@ def _ssd_chunk_cumsum_kernel(
     chunk = tl.program_id(0)
     pid_h = tl.program_id(1)
     # Which sequence owns this chunk id, without a search: sequence s owns chunk ids
-    # [first_chunk[s], first_chunk[s] + cdiv(len_s, CHUNK)); at most one lane matches.
+    # [first_chunk[s], first_chunk[s] + max(1, cdiv(len_s, CHUNK))); at most one matches.
     offs_s = tl.arange(0, BLOCK_SEQ)
     mask_s = offs_s < num_seqs
     seq_start = tl.load(cu_seqlens_ptr + offs_s, mask=mask_s, other=0).to(tl.int32)
     seq_end = tl.load(cu_seqlens_ptr + offs_s + 1, mask=mask_s, other=0).to(tl.int32)
-    num_chunks = (seq_end - seq_start + CHUNK - 1) // CHUNK
+    num_chunks = tl.where(mask_s, tl.maximum((seq_end - seq_start + CHUNK - 1) // CHUNK, 1), 0)
     last_chunk = tl.cumsum(num_chunks, 0)
     first_chunk = last_chunk - num_chunks
     owner = (first_chunk <= chunk) & (chunk < last_chunk)
     start = tl.sum(tl.where(owner, seq_start + (chunk - first_chunk) * CHUNK, 0), 0)
     end = tl.sum(tl.where(owner, seq_end, 0), 0)
     length = tl.minimum(end - start, CHUNK)
+    seq = tl.max(tl.where(owner, offs_s, -1), 0)
     tl.store(chunk_start_ptr + chunk, start, mask=pid_h == 0)
     tl.store(chunk_len_ptr + chunk, length, mask=pid_h == 0)
+    tl.store(chunk_seq_ptr + chunk, seq, mask=pid_h == 0)
     first_program = (chunk == 0) & (pid_h == 0)
     tl.store(seq_first_chunk_ptr + offs_s, first_chunk, mask=mask_s & first_program)
     tl.store(seq_first_chunk_ptr + num_seqs, tl.sum(num_chunks, 0), mask=first_program)
@@ -245,263 +251,259 @@ def _ssd_chunk_cb_kernel(
     B_ptr, C_ptr, cb_ptr, chunk_start_ptr, chunk_len_ptr, N,
     stride_b_t, stride_b_g, stride_b_n,
     stride_c_t, stride_c_g, stride_c_n,
-    CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
+    # The diagonal BLOCK x BLOCK tiles of C B^T per (chunk, group), shared by the group's
+    # heads; stored as [chunk, group, CHUNK // BLOCK, BLOCK, BLOCK].
+    row_block = tl.program_id(0)
     chunk = tl.program_id(1).to(tl.int64)
     group = tl.program_id(2)
     num_groups = tl.num_programs(2)
     length = tl.load(chunk_len_ptr + chunk)
-    t0 = tl.load(chunk_start_ptr + chunk).to(tl.int64)
-    offs_m = (tile // (CHUNK // BLOCK_K)) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = (tile % (CHUNK // BLOCK_K)) * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    c = tl.load(
-        C_ptr + (t0 + offs_m)[:, None] * stride_c_t + group * stride_c_g
-        + offs_n[None, :] * stride_c_n,
-        mask=(offs_m < length)[:, None] & mask_n[None, :], other=0.0,
-    )  # fmt: skip
-    bT = tl.load(
-        B_ptr + (t0 + offs_k)[None, :] * stride_b_t + group * stride_b_g
-        + offs_n[:, None] * stride_b_n,
-        mask=(offs_k < length)[None, :] & mask_n[:, None], other=0.0,
-    )  # fmt: skip
-    cb = tl.dot(c.to(DOT_DTYPE), bT.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-    out = (chunk * num_groups + group) * CHUNK * CHUNK + offs_m[:, None] * CHUNK + offs_k[None, :]
-    # Ids past the real chunks are never read: skip their stores.
-    tl.store(cb_ptr + out, cb.to(cb_ptr.dtype.element_ty), mask=length > 0)
-
-
-@lazy_jit
-def _ssd_chunk_state_kernel(
-    x_ptr, B_ptr, dt_buf_ptr, cum_buf_ptr, contrib_ptr, chunk_start_ptr, chunk_len_ptr,
-    heads_per_group, P, N,
-    stride_x_t, stride_x_h, stride_x_p,
-    stride_b_t, stride_b_g, stride_b_n,
-    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    # contribution = sum_j exp(cum_last - cum_j) dt_j outer(x_j, B_j): the chunk's end
-    # state from a zero state; a [P, K] x [K, N] dot per block of K tokens.
-    head = tl.program_id(0)
-    chunk = tl.program_id(1).to(tl.int64)
-    H = tl.num_programs(0)
-    group = head // heads_per_group
-    length = tl.load(chunk_len_ptr + chunk)
-    t0 = tl.load(chunk_start_ptr + chunk).to(tl.int64)
-    base = (chunk * H + head) * CHUNK
-    total = tl.load(cum_buf_ptr + base + CHUNK - 1)
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_p = offs_p < P
-    mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-    # NOTE: a constexpr trip count (masked past the end) keeps the wgmma pipelined; with
-    # `length` as the bound ptxas serialises the dots (warning C7515 on sm_90).
-    for k0 in range(0, CHUNK, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < length
-        t = t0 + offs_k
-        cum = tl.load(cum_buf_ptr + base + offs_k)
-        dt = tl.load(dt_buf_ptr + base + offs_k)
-        # NOTE: cum is non-increasing (A < 0, dt >= 0), so total - cum <= 0: no overflow.
-        weight = tl.exp(total - cum) * dt
-        # Scale x (the [P, K] operand), not B ([K, N], the larger one): B then goes from
-        # memory to the dot unchanged.
-        xT = tl.load(
-            x_ptr + t[None, :] * stride_x_t + head * stride_x_h + offs_p[:, None] * stride_x_p,
-            mask=mask_k[None, :] & mask_p[:, None], other=0.0,
-        ).to(tl.float32)  # fmt: skip
-        b = tl.load(
-            B_ptr + t[:, None] * stride_b_t + group * stride_b_g + offs_n[None, :] * stride_b_n,
-            mask=mask_k[:, None] & mask_n[None, :], other=0.0,
-        )  # fmt: skip
-        acc += tl.dot(
-            (xT * weight[None, :]).to(DOT_DTYPE), b.to(DOT_DTYPE), input_precision=DOT_PRECISION
-        )  # fmt: skip
-    out = (chunk * H + head) * P * N + offs_p[:, None] * N + offs_n[None, :]
-    mask_pn = mask_p[:, None] & mask_n[None, :]
-    tl.store(contrib_ptr + out, acc, mask=mask_pn & (length > 0))
-
-
-@lazy_jit
-def _ssd_state_passing_kernel(
-    contrib_ptr, cum_buf_ptr, states_in_ptr, state_ptr,
-    seq_first_chunk_ptr, state_slots_ptr, has_init_ptr,
-    P, N,
-    stride_s_slot, stride_s_h, stride_s_p, stride_s_n,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    # One program carries BLOCK elements of one (sequence, head) state through the
-    # sequence's chunks; the only sequential loop, over state-sized data only.
-    pid = tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.program_id(2)
-    H = tl.num_programs(1)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < P * N
-    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
-    has_init = tl.load(has_init_ptr + seq) != 0
-    slot_ptrs = (
-        state_ptr + slot * stride_s_slot + head * stride_s_h
-        + (offs // N) * stride_s_p + (offs % N) * stride_s_n
-    )  # fmt: skip
-    state = tl.load(slot_ptrs, mask=mask & has_init, other=0.0).to(tl.float32)
-    first = tl.load(seq_first_chunk_ptr + seq).to(tl.int64)
-    last = tl.load(seq_first_chunk_ptr + seq + 1).to(tl.int64)
-    head_offs = head * P * N + offs
-    # Load one chunk ahead: the loads do not depend on the carried state, so the next
-    # contribution is in flight while this one is applied.
-    contrib = tl.load(contrib_ptr + first * H * P * N + head_offs, mask=mask & (first < last))
-    for k in range(first, last):
-        current = contrib
-        contrib = tl.load(
-            contrib_ptr + (k + 1) * H * P * N + head_offs, mask=mask & (k + 1 < last)
-        )  # fmt: skip
-        total = tl.load(cum_buf_ptr + (k * H + head) * CHUNK + CHUNK - 1)
-        tl.store(
-            states_in_ptr + k * H * P * N + head_offs,
-            state.to(states_in_ptr.dtype.element_ty), mask=mask,
-        )  # fmt: skip
-        state = state * tl.exp(total) + current
-    tl.store(slot_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask)
-
-
-@lazy_jit
-def _ssd_chunk_output_kernel(
-    x_ptr, C_ptr, z_ptr, D_ptr, y_ptr, cb_ptr, dt_buf_ptr, cum_buf_ptr, states_in_ptr,
-    chunk_start_ptr, chunk_len_ptr,
-    heads_per_group, P, N,
-    stride_x_t, stride_x_h, stride_x_p,
-    stride_c_t, stride_c_g, stride_c_n,
-    stride_z_t, stride_z_h, stride_z_p,
-    stride_y_t, stride_y_h, stride_y_p,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STATE_DOT_DTYPE: tl.constexpr, STATE_PRECISION: tl.constexpr,
-):  # fmt: skip
-    head = tl.program_id(0)
-    block_m = tl.program_id(1)
-    chunk = tl.program_id(2).to(tl.int64)
-    H = tl.num_programs(0)
-    group = head // heads_per_group
-    length = tl.load(chunk_len_ptr + chunk)
-    m0 = block_m * BLOCK_M
-    if m0 < length:
+    if row_block * BLOCK < length:
         t0 = tl.load(chunk_start_ptr + chunk).to(tl.int64)
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_p = tl.arange(0, BLOCK_P)
+        offs_m = row_block * BLOCK + tl.arange(0, BLOCK)
         offs_n = tl.arange(0, BLOCK_N)
         mask_m = offs_m < length
-        mask_p = offs_p < P
         mask_n = offs_n < N
-        mask_mp = mask_m[:, None] & mask_p[None, :]
-        base = (chunk * H + head) * CHUNK
-        cum_m = tl.load(cum_buf_ptr + base + offs_m)
-
-        # Inter-chunk: y_i = exp(cum_i) C_i . S_in.
         c = tl.load(
             C_ptr + (t0 + offs_m)[:, None] * stride_c_t + group * stride_c_g
             + offs_n[None, :] * stride_c_n,
             mask=mask_m[:, None] & mask_n[None, :], other=0.0,
         )  # fmt: skip
-        state_inT = tl.load(
-            states_in_ptr + (chunk * H + head) * P * N + offs_p[None, :] * N + offs_n[:, None],
-            mask=mask_p[None, :] & mask_n[:, None], other=0.0,
+        bT = tl.load(
+            B_ptr + (t0 + offs_m)[None, :] * stride_b_t + group * stride_b_g
+            + offs_n[:, None] * stride_b_n,
+            mask=mask_m[None, :] & mask_n[:, None], other=0.0,
         )  # fmt: skip
-        acc = tl.dot(
-            c.to(STATE_DOT_DTYPE), state_inT.to(STATE_DOT_DTYPE), input_precision=STATE_PRECISION
-        )  # fmt: skip
-        acc *= tl.exp(cum_m)[:, None]
-
-        # Intra-chunk: y_i += sum_{j<=i} (C_i . B_j) exp(cum_i - cum_j) dt_j x_j.
-        num_groups = H // heads_per_group
-        cb_base = (chunk * num_groups + group) * CHUNK * CHUNK
-        for k0 in range(0, tl.minimum(m0 + BLOCK_M, length), BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            cb = tl.load(cb_ptr + cb_base + offs_m[:, None] * CHUNK + offs_k[None, :])
-            cum_k = tl.load(cum_buf_ptr + base + offs_k)
-            dt_k = tl.load(dt_buf_ptr + base + offs_k)
-            x_k = tl.load(
-                x_ptr + (t0 + offs_k)[:, None] * stride_x_t + head * stride_x_h
-                + offs_p[None, :] * stride_x_p,
-                mask=(offs_k < length)[:, None] & mask_p[None, :], other=0.0,
-            )  # fmt: skip
-            causal = offs_m[:, None] >= offs_k[None, :]
-            # -inf above the diagonal before exp: cum_i - cum_j > 0 there and may overflow.
-            decay = tl.exp(tl.where(causal, cum_m[:, None] - cum_k[None, :], -float("inf")))
-            scores = tl.where(causal, cb.to(tl.float32) * decay, 0.0) * dt_k[None, :]
-            acc += tl.dot(
-                scores.to(DOT_DTYPE), x_k.to(DOT_DTYPE), input_precision=DOT_PRECISION
-            )  # fmt: skip
-
-        t_m = t0 + offs_m
-        if HAS_D:
-            x_m = tl.load(
-                x_ptr + t_m[:, None] * stride_x_t + head * stride_x_h
-                + offs_p[None, :] * stride_x_p,
-                mask=mask_mp, other=0.0,
-            ).to(tl.float32)  # fmt: skip
-            acc += tl.load(D_ptr + head).to(tl.float32) * x_m
-        if HAS_Z:
-            z = tl.load(
-                z_ptr + t_m[:, None] * stride_z_t + head * stride_z_h
-                + offs_p[None, :] * stride_z_p,
-                mask=mask_mp, other=0.0,
-            ).to(tl.float32)  # fmt: skip
-            acc *= z / (1.0 + tl.exp(-z))
+        cb = tl.dot(c.to(DOT_DTYPE), bT.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        offs = tl.arange(0, BLOCK)
+        out = (chunk * num_groups + group) * CHUNK * BLOCK + row_block * BLOCK * BLOCK
         tl.store(
-            y_ptr + t_m[:, None] * stride_y_t + head * stride_y_h + offs_p[None, :] * stride_y_p,
-            acc.to(y_ptr.dtype.element_ty), mask=mask_mp,
-        )  # fmt: skip
+            cb_ptr + out + offs[:, None] * BLOCK + offs[None, :], cb.to(cb_ptr.dtype.element_ty)
+        )
+
+
+@lazy_jit
+def _ssd_chunk_scan_kernel(
+    x_ptr, B_ptr, C_ptr, z_ptr, D_ptr, y_ptr, cb_ptr, dt_buf_ptr, cum_buf_ptr,
+    chunk_start_ptr, chunk_len_ptr, chunk_seq_ptr, seq_first_chunk_ptr,
+    state_slots_ptr, has_init_ptr, state_ptr, ring_ptr, ticket_ptr, published_ptr,
+    H, heads_per_group, P, N,
+    stride_x_t, stride_x_h, stride_x_p,
+    stride_b_t, stride_b_g, stride_b_n,
+    stride_c_t, stride_c_g, stride_c_n,
+    stride_z_t, stride_z_h, stride_z_p,
+    stride_y_t, stride_y_h, stride_y_p,
+    stride_s_slot, stride_s_h, stride_s_p, stride_s_n,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_P: tl.constexpr, P_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STATE_DOT_DTYPE: tl.constexpr, STATE_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # One program per (chunk, head, block of P): states are kept as [N, P] (the C.S dot
+    # operand as it is, and the contribution's dot has N as its 128-row M side).
+    ticket = tl.atomic_add(ticket_ptr, 1)
+    chunk = (ticket // (H * P_BLOCKS)).to(tl.int64)
+    lane = ticket % (H * P_BLOCKS)  # index of this (head, P block) chain
+    head = lane // P_BLOCKS
+    seq = tl.load(chunk_seq_ptr + chunk)
+    if seq >= 0:
+        group = head // heads_per_group
+        length = tl.load(chunk_len_ptr + chunk)
+        t0 = tl.load(chunk_start_ptr + chunk).to(tl.int64)
+        base = (chunk * H + head) * CHUNK
+        total = tl.load(cum_buf_ptr + base + CHUNK - 1)
+        offs_p = (lane % P_BLOCKS) * BLOCK_P + tl.arange(0, BLOCK_P)
+        offs_n = tl.arange(0, BLOCK_N)
+        mask_p = offs_p < P
+        mask_n = offs_n < N
+        x_head = x_ptr + head * stride_x_h + offs_p[None, :] * stride_x_p
+
+        # 1. The chunk's contribution to its end state, from a zero state:
+        #    sum_j exp(total - cum_j) dt_j outer(B_j, x_j), an [N, T] x [T, P] dot per block.
+        contrib = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
+        # NOTE: a constexpr trip count (masked past the end) keeps the dots pipelined.
+        for k0 in range(0, CHUNK, BLOCK_T):
+            offs_k = k0 + tl.arange(0, BLOCK_T)
+            mask_k = offs_k < length
+            t = t0 + offs_k
+            # cum is non-increasing (A < 0, dt >= 0), so total - cum <= 0: no overflow.
+            weight = tl.exp(total - tl.load(cum_buf_ptr + base + offs_k))
+            weight *= tl.load(dt_buf_ptr + base + offs_k)
+            # Scale x (the smaller operand): B goes from memory to the dot as it is.
+            x_k = tl.load(
+                x_head + t[:, None] * stride_x_t, mask=mask_k[:, None] & mask_p[None, :], other=0.0
+            ).to(tl.float32)  # fmt: skip
+            bT = tl.load(
+                B_ptr + t[None, :] * stride_b_t + group * stride_b_g
+                + offs_n[:, None] * stride_b_n,
+                mask=mask_k[None, :] & mask_n[:, None], other=0.0,
+            )  # fmt: skip
+            contrib += tl.dot(
+                bT.to(DOT_DTYPE), (x_k * weight[:, None]).to(DOT_DTYPE),
+                input_precision=DOT_PRECISION,
+            )  # fmt: skip
+
+        # 2. The chained step. Wait until the previous chunk id (of any sequence: the ring
+        #    below is only safe if chunks publish in order) has published for this chain.
+        if chunk > 0:
+            seen = tl.atomic_add(published_ptr + lane, 0, sem="acquire")
+            while seen < chunk:
+                seen = tl.atomic_add(published_ptr + lane, 0, sem="acquire")
+        first = tl.load(seq_first_chunk_ptr + seq).to(tl.int64)
+        last = tl.load(seq_first_chunk_ptr + seq + 1).to(tl.int64)
+        ring_lane = ring_ptr + lane * BLOCK_N * BLOCK_P
+        slot_head = state_ptr + tl.load(state_slots_ptr + seq).to(tl.int64) * stride_s_slot
+        slot_head += head * stride_s_h
+        # NOTE: pointer tensors are formed inside each branch, next to their one use: a
+        # state-sized tensor of 64-bit pointers live across the branches costs registers
+        # by the hundred and made the kernel spill.
+        if chunk == first:
+            has_init = tl.load(has_init_ptr + seq) != 0
+            state_in = tl.load(
+                slot_head + offs_n[:, None] * stride_s_n + offs_p[None, :] * stride_s_p,
+                mask=mask_n[:, None] & mask_p[None, :] & has_init, other=0.0,
+            ).to(tl.float32)  # fmt: skip
+        else:
+            # .cg: read L2, where the previous program wrote, never a stale L1 line.
+            state_in = tl.load(
+                ring_lane + ((chunk - 1) % 2) * (H * P_BLOCKS * BLOCK_N * BLOCK_P)
+                + offs_n[:, None] * BLOCK_P + tl.arange(0, BLOCK_P)[None, :],
+                cache_modifier=".cg",
+            )  # fmt: skip
+        state_out = state_in * tl.exp(total) + contrib
+        if chunk + 1 == last:
+            tl.store(
+                slot_head + offs_n[:, None] * stride_s_n + offs_p[None, :] * stride_s_p,
+                state_out.to(state_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_p[None, :],
+            )  # fmt: skip
+        else:
+            # NOTE: safe to overwrite: the ring entry chunk - 2 wrote was read by chunk - 1
+            # before it published, and we saw that publish above.
+            tl.store(
+                ring_lane + (chunk % 2) * (H * P_BLOCKS * BLOCK_N * BLOCK_P)
+                + offs_n[:, None] * BLOCK_P + tl.arange(0, BLOCK_P)[None, :],
+                state_out,
+            )  # fmt: skip
+        # Release: every thread's stores above are visible before the flag says so (the
+        # barrier orders them before the one thread that performs the release).
+        tl.debug_barrier()
+        tl.atomic_xchg(published_ptr + lane, (chunk + 1).to(tl.int32), sem="release")
+
+        # 3. Outputs, BLOCK rows at a time (unrolled: no runtime loop, so nothing keeps
+        #    tiles of several iterations live). The state entering each row block,
+        #    S_m = exp(ref_m) S_in + sum_{j < m0} exp(ref_m - cum_j) dt_j outer(B_j, x_j)
+        #    with ref_m = cum at m0 - 1 (0 for the first block), carries everything left
+        #    of the diagonal block: y_i = exp(cum_i - ref_m) C_i S_m + (diagonal block),
+        #    and S_{m+1} = exp(ref_{m+1} - ref_m) S_m + [N, BLOCK] x [BLOCK, P] dot.
+        #    Every exponent is <= 0 (cum is non-increasing), and only the diagonal block
+        #    needs the element-wise causal decay.
+        state = state_in
+        ref = 0.0
+        cb_base = (chunk * (H // heads_per_group) + group) * CHUNK * BLOCK
+        for m0 in tl.static_range(0, CHUNK, BLOCK):
+            if m0 < length:
+                offs_m = m0 + tl.arange(0, BLOCK)
+                mask_m = offs_m < length
+                mask_mp = mask_m[:, None] & mask_p[None, :]
+                t_m = t0 + offs_m
+                cum_m = tl.load(cum_buf_ptr + base + offs_m)
+                dt_m = tl.load(dt_buf_ptr + base + offs_m)
+                c = tl.load(
+                    C_ptr + t_m[:, None] * stride_c_t + group * stride_c_g
+                    + offs_n[None, :] * stride_c_n,
+                    mask=mask_m[:, None] & mask_n[None, :], other=0.0,
+                )  # fmt: skip
+                x_m = tl.load(x_head + t_m[:, None] * stride_x_t, mask=mask_mp, other=0.0)
+                acc = tl.dot(
+                    c.to(STATE_DOT_DTYPE), state.to(STATE_DOT_DTYPE),
+                    input_precision=STATE_PRECISION,
+                )  # fmt: skip
+                acc *= tl.exp(cum_m - ref)[:, None]
+                # The diagonal block: -inf above the diagonal before exp (cum_i - cum_j > 0
+                # there and may overflow).
+                cb = tl.load(
+                    cb_ptr + cb_base + offs_m[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+                )
+                causal = offs_m[:, None] >= offs_m[None, :]
+                decay = tl.exp(tl.where(causal, cum_m[:, None] - cum_m[None, :], -float("inf")))
+                scores = tl.where(causal, cb.to(tl.float32) * decay, 0.0) * dt_m[None, :]
+                acc += tl.dot(
+                    scores.to(DOT_DTYPE), x_m.to(DOT_DTYPE), input_precision=DOT_PRECISION
+                )  # fmt: skip
+                if HAS_D:
+                    acc += tl.load(D_ptr + head).to(tl.float32) * x_m.to(tl.float32)
+                if HAS_Z:
+                    z = tl.load(
+                        z_ptr + t_m[:, None] * stride_z_t + head * stride_z_h
+                        + offs_p[None, :] * stride_z_p,
+                        mask=mask_mp, other=0.0,
+                    ).to(tl.float32)  # fmt: skip
+                    acc *= z / (1.0 + tl.exp(-z))
+                tl.store(
+                    y_ptr + t_m[:, None] * stride_y_t + head * stride_y_h
+                    + offs_p[None, :] * stride_y_p,
+                    acc.to(y_ptr.dtype.element_ty), mask=mask_mp,
+                )  # fmt: skip
+                if m0 + BLOCK < CHUNK:
+                    # Carry the state to the next row block (the last one's is state_out).
+                    ref_next = tl.load(cum_buf_ptr + base + m0 + BLOCK - 1)
+                    weight = tl.exp(ref_next - cum_m) * dt_m
+                    bT = tl.load(
+                        B_ptr + t_m[None, :] * stride_b_t + group * stride_b_g
+                        + offs_n[:, None] * stride_b_n,
+                        mask=mask_m[None, :] & mask_n[:, None], other=0.0,
+                    )  # fmt: skip
+                    state = state * tl.exp(ref_next - ref) + tl.dot(
+                        bT.to(DOT_DTYPE), (x_m.to(tl.float32) * weight[:, None]).to(DOT_DTYPE),
+                        input_precision=DOT_PRECISION,
+                    )  # fmt: skip
+                    ref = ref_next
 
 
 def _launch_config(
-    x: torch.Tensor, S: int, H: int, P: int, N: int, chunk_size: int
+    x: torch.Tensor | None, S: int, H: int, P: int, N: int, chunk_size: int
 ) -> dict[str, Any]:
     """Block sizes and launch options (benchmarks/kernels/bench_ssd.py sweeps these).
 
     chunk: tokens per chunk (chunk_size rounded down to a power of two, 16..256). Larger
-        chunks cut the per-chunk state traffic (a float32 contribution and an entering
-        state per chunk and head: 4 MiB + 2 MiB at Bamba-9B dims, about the bytes of 256
-        tokens of x) at the price of more intra-chunk dot work.
-    block_m, block_k: rows and columns of the output kernel's tiles (and of the C.B^T
-        tiles); block_k also blocks the tokens of the chunk-state kernel.
-    state_block: state elements per program of the sequential state pass.
+        chunks mean fewer chained steps and less state work per token, at the price of
+        more intra-chunk dot work.
+    block: rows (and columns) of the output tiles and of the C.B^T tiles.
+    block_t: tokens per dot of the end-state contribution.
+    block_p: head-dim columns per program (a power of two >= 16; the head dim is split
+        into cdiv(P, block_p) independent chains).
     """
     chunk = max(16, min(256, prev_pow2(chunk_size)))
     return {
         "chunk": chunk,
-        "block_m": min(64, chunk),
-        "block_k": min(64, chunk),
-        "state_block": 512,
+        "block": min(64, chunk),
+        "block_t": min(64, chunk),
+        "block_p": 64,
         "num_warps": 4,
         "num_stages": 2,
     }
 
 
 def _dot_config(dtype: torch.dtype) -> dict[str, Any]:
-    """Dtypes and precisions of the dots and of the entering-state buffer for `dtype` inputs.
+    """Dtypes and precisions of the dots for `dtype` inputs.
 
-    16-bit inputs: 16-bit dot operands, float32 accumulate. The carried state stays float32
-    in the state pass; for bf16 inputs the per-chunk entering states are stored in bf16
-    (they are only a C.S dot operand, and this halves their traffic), for fp16 in float32
-    (fp16's range is too small for states). float32 inputs: float32 everywhere, IEEE dots.
+    16-bit inputs: 16-bit dot operands, float32 accumulate; the chained state is float32
+    throughout and enters the C.S dot rounded to bf16 for bf16 inputs, but stays float32
+    for fp16 (fp16's range is too small for states). float32 inputs: float32 everywhere,
+    IEEE dots.
     """
-    states_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     if dtype == torch.float32 or interpret_mode():
         # The interpreter mis-computes 16-bit tl.dot; float32 there is also more exact.
-        return dict(dot=tl.float32, precision="ieee", states_dtype=states_dtype,
-                    state_dot=tl.float32, state_precision="ieee")  # fmt: skip
+        return dict(dot=tl.float32, precision="ieee", state_dot=tl.float32,
+                    state_precision="ieee")  # fmt: skip
     if dtype == torch.bfloat16:
-        return dict(dot=tl.bfloat16, precision="tf32", states_dtype=states_dtype,
-                    state_dot=tl.bfloat16, state_precision="tf32")  # fmt: skip
-    return dict(dot=tl.float16, precision="tf32", states_dtype=states_dtype,
-                state_dot=tl.float32, state_precision="tf32")  # fmt: skip
+        return dict(dot=tl.bfloat16, precision="tf32", state_dot=tl.bfloat16,
+                    state_precision="tf32")  # fmt: skip
+    return dict(dot=tl.float16, precision="tf32", state_dot=tl.float32, state_precision="tf32")
 
 
 def ssd_scan_varlen_triton(
@@ -524,13 +526,13 @@ def ssd_scan_varlen_triton(
 ) -> torch.Tensor:
     """Triton twin of `ssd_scan_varlen_ref` (same arguments, shapes and result).
 
-    Chunk-parallel (see the comment above the kernels): chunks of chunk_size tokens
-    rounded down to a power of two in [16, 256], restarting at each sequence's first
-    token; blocking only affects rounding. Scratch buffers take about
-    (T / chunk + S) * H * P * N * 6 bytes for bf16 inputs (4 for float32/fp16), e.g.
-    0.8 GB at 32k tokens of Bamba-9B. No host sync (CUDA-graph safe): chunk metadata is
-    computed on the device. cu_seqlens, state_slots and has_initial_state values are not
-    validated: slots must be valid and distinct.
+    Chunked (see the comment above the kernels): chunks of chunk_size tokens rounded down
+    to a power of two in [16, 256], restarting at each sequence's first token; blocking
+    only affects rounding. Scratch: dt and its cumsum (8 bytes per token and head), C.B^T
+    per chunk and group, and a float32 ring of two states per head (8 MiB at Bamba-9B
+    dims). No host sync (CUDA-graph safe): chunk metadata is computed on the device.
+    cu_seqlens, state_slots and has_initial_state values are not validated: slots must be
+    valid and distinct.
     """
     T, H, P, G, N = _check_ssd_args(
         x, dt, A, B, C, D, cu_seqlens, ssm_state, state_slots, has_initial_state, dt_bias, z,
@@ -544,62 +546,52 @@ def ssd_scan_varlen_triton(
         return y
     cfg = _launch_config(x, S, H, P, N, chunk_size)
     dots = _dot_config(x.dtype)
-    chunk, block_m, block_k = cfg["chunk"], cfg["block_m"], cfg["block_k"]
-    block_p, block_n = max(16, next_pow2(P)), max(16, next_pow2(N))
-    # Every sequence adds at most one partial chunk beyond the whole ones.
-    num_chunk_ids = max(1, triton.cdiv(T, chunk) + S - 1)
+    chunk, block, block_t = cfg["chunk"], cfg["block"], cfg["block_t"]
+    block_p = max(16, min(cfg["block_p"], next_pow2(P)))
+    p_blocks = triton.cdiv(P, block_p)
+    block_n = max(16, next_pow2(N))
+    # Whole chunks, plus at most one partial or empty chunk per sequence.
+    num_chunk_ids = triton.cdiv(T, chunk) + S
     dev = x.device
-    chunk_start = torch.empty(num_chunk_ids, dtype=torch.int32, device=dev)
-    chunk_len = torch.empty(num_chunk_ids, dtype=torch.int32, device=dev)
+    meta = torch.empty(3, num_chunk_ids, dtype=torch.int32, device=dev)
+    chunk_start, chunk_len, chunk_seq = meta
     seq_first_chunk = torch.empty(S + 1, dtype=torch.int32, device=dev)
     dt_buf = torch.empty(num_chunk_ids, H, chunk, dtype=torch.float32, device=dev)
     cum_buf = torch.empty_like(dt_buf)
-    cb = torch.empty(num_chunk_ids, G, chunk, chunk, dtype=x.dtype, device=dev)
-    contrib = torch.empty(num_chunk_ids, H, P, N, dtype=torch.float32, device=dev)
-    # NOTE: with float32 entering states the state pass overwrites each contribution
-    # with the entering state in place (it reads a chunk's entry before writing it).
-    states_in = (
-        contrib
-        if dots["states_dtype"] == torch.float32
-        else torch.empty(num_chunk_ids, H, P, N, dtype=dots["states_dtype"], device=dev)
-    )
+    cb = torch.empty(num_chunk_ids, G, chunk // block, block, block, dtype=x.dtype, device=dev)
+    ring = torch.empty(2, H * p_blocks, block_n, block_p, dtype=torch.float32, device=dev)
+    # [ticket, published per (head, P block)]: the only buffer that must start at zero.
+    counters = torch.zeros(1 + H * p_blocks, dtype=torch.int32, device=dev)
     lo, hi = dt_limit
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    if cfg.get("maxnreg"):
+        launch["maxnreg"] = cfg["maxnreg"]
 
     block_h = min(16, next_pow2(H))
     _ssd_chunk_cumsum_kernel[(num_chunk_ids, triton.cdiv(H, block_h))](
         dt, A, dt_bias, cu_seqlens,
-        dt_buf, cum_buf, chunk_start, chunk_len, seq_first_chunk,
+        dt_buf, cum_buf, chunk_start, chunk_len, chunk_seq, seq_first_chunk,
         S, H, float(lo), float(hi), *dt.stride(),
         HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
         CLAMP_DT=lo > 0.0 or hi < math.inf,
         CHUNK=chunk, BLOCK_H=block_h, BLOCK_SEQ=next_pow2(S + 1),
     )  # fmt: skip
-    _ssd_chunk_cb_kernel[((chunk // block_m) * (chunk // block_k), num_chunk_ids, G)](
+    _ssd_chunk_cb_kernel[(chunk // block, num_chunk_ids, G)](
         B, C, cb, chunk_start, chunk_len, N, *B.stride(), *C.stride(),
-        CHUNK=chunk, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_N=block_n,
+        CHUNK=chunk, BLOCK=block, BLOCK_N=block_n,
         DOT_DTYPE=dots["dot"], DOT_PRECISION=dots["precision"], **launch,
-    )  # fmt: skip
-    _ssd_chunk_state_kernel[(H, num_chunk_ids)](
-        x, B, dt_buf, cum_buf, contrib, chunk_start, chunk_len,
-        H // G, P, N, *x.stride(), *B.stride(),
-        CHUNK=chunk, BLOCK_K=block_k, BLOCK_P=block_p, BLOCK_N=block_n,
-        DOT_DTYPE=dots["dot"], DOT_PRECISION=dots["precision"], **launch,
-    )  # fmt: skip
-    state_block = min(cfg["state_block"], next_pow2(P * N))
-    _ssd_state_passing_kernel[(triton.cdiv(P * N, state_block), H, S)](
-        contrib, cum_buf, states_in, ssm_state,
-        seq_first_chunk, state_slots, has_initial_state.to(torch.int8),
-        P, N, *ssm_state.stride(),
-        CHUNK=chunk, BLOCK=state_block, num_warps=4,
     )  # fmt: skip
     z_strides = z.stride() if z is not None else (0, 0, 0)
-    _ssd_chunk_output_kernel[(H, chunk // block_m, num_chunk_ids)](
-        x, C, z, D, y, cb, dt_buf, cum_buf, states_in, chunk_start, chunk_len,
-        H // G, P, N, *x.stride(), *C.stride(), *z_strides, *y.stride(),
+    _ssd_chunk_scan_kernel[(num_chunk_ids * H * p_blocks,)](
+        x, B, C, z, D, y, cb, dt_buf, cum_buf,
+        chunk_start, chunk_len, chunk_seq, seq_first_chunk,
+        state_slots, has_initial_state.to(torch.int8), ssm_state, ring,
+        counters, counters[1:],
+        H, H // G, P, N,
+        *x.stride(), *B.stride(), *C.stride(), *z_strides, *y.stride(), *ssm_state.stride(),
         HAS_D=D is not None, HAS_Z=z is not None,
-        CHUNK=chunk, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_P=block_p, BLOCK_N=block_n,
-        DOT_DTYPE=dots["dot"], DOT_PRECISION=dots["precision"],
+        CHUNK=chunk, BLOCK=block, BLOCK_T=block_t, BLOCK_P=block_p, P_BLOCKS=p_blocks,
+        BLOCK_N=block_n, DOT_DTYPE=dots["dot"], DOT_PRECISION=dots["precision"],
         STATE_DOT_DTYPE=dots["state_dot"], STATE_PRECISION=dots["state_precision"], **launch,
     )  # fmt: skip
     return y

@@ -110,11 +110,20 @@ def test_row_and_column_blocks_smaller_than_chunk(monkeypatch):
     monkeypatch.setattr(
         ssd_scan,
         "_launch_config",
-        lambda *a: {**config(*a), "chunk": 64, "block_m": 32, "block_k": 16, "state_block": 32},
+        lambda *a: {**config(*a), "chunk": 64, "block": 16, "block_t": 32},
     )
     lengths, slots = [50, 3, 130], [1, 3, 0]
     inp = make_inputs(lengths, 2, 6, 1, 10, seed=4, packed_xbc=True)
     compare(inp, lengths, slots, [True, False, True], chunk_size=64)
+
+
+def test_head_dim_split_into_chains(monkeypatch):
+    """P split over programs (block_p < P, the last block partial): chains stay separate."""
+    config = ssd_scan._launch_config
+    monkeypatch.setattr(ssd_scan, "_launch_config", lambda *a: {**config(*a), "block_p": 16})
+    lengths, slots = [40, 9, 21], [2, 0, 1]
+    inp = make_inputs(lengths, 2, 40, 1, 6, seed=6)
+    compare(inp, lengths, slots, [True, False, True], chunk_size=16)
 
 
 def test_chunk_id_bound_is_tight():

@@ -1,0 +1,117 @@
+"""Compile the SSD scan kernels for sm_90 on any machine (no GPU needed) and report
+ptxas's register, spill and shared-memory figures per launch config.
+
+    python benchmarks/kernels/ptxas_report.py [--dtype bf16] [--config '{"num_warps": 8}']
+
+Uses Triton's ahead-of-time compile (GPUTarget cuda 90) and the ptxas Triton ships.
+Spills or serialised-wgmma warnings (C7515) here predict slow kernels on the H200
+before any device time is spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ssmserve.kernels import ssd_scan
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+DTYPES = {"bf16": ("bf16", "bf16"), "fp16": ("fp16", "fp16"), "fp32": ("fp32", "fp32")}
+
+
+def compile_report(fn, signature: dict[str, str], constexprs: dict, options: dict) -> str:
+    """ptxas -v output (registers, spills, smem) of one kernel specialisation.
+
+    Specialised the way Triton's JIT specialises a real launch at Bamba-9B dims: unit
+    strides (the last dim of every tensor) become the constant 1, and pointers and the
+    other integers are marked divisible by 16 (that is what lets loads vectorise; without
+    it the register figures are far too pessimistic).
+    """
+    names = list(signature)
+    attrs = {}
+    for i, name in enumerate(names):
+        if signature[name] == "constexpr":
+            continue
+        if name.startswith("stride_") and name.endswith(("_p", "_n")):
+            signature[name] = "constexpr"
+            constexprs = {**constexprs, name: 1}
+        elif name.startswith("stride_") or name.endswith("_ptr") or name in ("H", "P", "N"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    jitted = triton.jit(fn)
+    src = ASTSource(fn=jitted, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    out = subprocess.run(
+        [PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    os.unlink(f.name)
+    lines = [ln.strip() for ln in (out.stdout + out.stderr).splitlines()]
+    keep = [ln for ln in lines if re.search(r"registers|spill|C7515|smem|error", ln)]
+    return f"shared {compiled.metadata.shared} B; " + " | ".join(keep)
+
+
+def scan_kernel_report(dtype: str, cfg: dict) -> str:
+    t = DTYPES[dtype][0]
+    names = ssd_scan._ssd_chunk_scan_kernel.fn.__code__.co_varnames[
+        : ssd_scan._ssd_chunk_scan_kernel.fn.__code__.co_argcount
+    ]
+    sig: dict[str, str] = {}
+    for name in names:
+        if name.startswith(("HAS_", "BLOCK", "CHUNK", "DOT_", "STATE_D", "STATE_P")):
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            if name in ("x_ptr", "B_ptr", "C_ptr", "z_ptr", "y_ptr", "cb_ptr"):
+                sig[name] = f"*{t}"
+            elif name == "has_init_ptr":
+                sig[name] = "*i8"
+            elif name in ("state_ptr", "ring_ptr", "D_ptr", "dt_buf_ptr", "cum_buf_ptr"):
+                sig[name] = "*fp32"
+            else:
+                sig[name] = "*i32"
+        else:
+            sig[name] = "i32"
+    dots = {
+        "bf16": ("bf16", "tf32", "bf16", "tf32"),
+        "fp16": ("fp16", "tf32", "fp32", "tf32"),
+        "fp32": ("fp32", "ieee", "fp32", "ieee"),
+    }[dtype]
+    tl_dtype = {"bf16": triton.language.bfloat16, "fp16": triton.language.float16,
+                "fp32": triton.language.float32}  # fmt: skip
+    constexprs = {
+        "HAS_D": True, "HAS_Z": cfg.get("has_z", False), "CHUNK": cfg["chunk"],
+        "BLOCK": cfg["block"], "BLOCK_T": cfg["block_t"], "BLOCK_P": cfg["block_p"],
+        "P_BLOCKS": 64 // cfg["block_p"], "BLOCK_N": 128,
+        "DOT_DTYPE": tl_dtype[dots[0]], "DOT_PRECISION": dots[1],
+        "STATE_DOT_DTYPE": tl_dtype[dots[2]], "STATE_PRECISION": dots[3],
+    }  # fmt: skip
+    options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    if cfg.get("maxnreg"):
+        options["maxnreg"] = cfg["maxnreg"]
+    return compile_report(ssd_scan._ssd_chunk_scan_kernel.fn, sig, constexprs, options)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--config", action="append", default=[],
+                        help="JSON overrides of _launch_config (repeatable)")  # fmt: skip
+    opts = parser.parse_args()
+    os.environ.pop("TRITON_INTERPRET", None)
+    base = ssd_scan._launch_config(None, 1, 128, 64, 128, 256)
+    for override in opts.config or ["{}"]:
+        cfg = {**base, **json.loads(override)}
+        print(f"{json.dumps(cfg)}\n  scan: {scan_kernel_report(opts.dtype, cfg)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
