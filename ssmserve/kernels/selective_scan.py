@@ -12,10 +12,22 @@ the slot.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from ssmserve.kernels._common import check_shape, check_varlen, lazy_jit, next_pow2, tl, triton
+from ssmserve.kernels._common import (
+    HAS_TRITON,
+    check_shape,
+    check_varlen,
+    interpret_mode,
+    lazy_jit,
+    next_pow2,
+    num_sms,
+    tl,
+    triton,
+)
 
 # Tokens whose decay and input terms the twin materialises at once ([L, Dm, N] floats).
 _REF_BLOCK = 256
@@ -115,6 +127,33 @@ def selective_scan_varlen_ref(
 
 
 # ---------------------------------------------------------------------------- Triton
+#
+# One program per (channel block, sequence) walks its sequence in blocks of BLOCK_T
+# tokens. Within a block the recurrence h_t = a_t * h_{t-1} + b_t is an associative scan
+# over the token axis; the state carried from the previous block enters through the
+# block's first token, so the scanned values are the states themselves.
+# Block tensors are [BLOCK_T, N_OUTER, BLOCK_D, N_INNER] (the state axis split in two).
+# Triton's default layout for that shape keeps BLOCK_T x N_OUTER in each thread's
+# registers and spreads BLOCK_D and N_INNER over lanes and warps: the scan is then a
+# chain of FMAs in registers, and y = sum_n h * C is in-thread FMAs plus log2(N_INNER)
+# shuffles. Spreading N over N_INNER lanes multiplies the threads per sequence by
+# N_INNER: one Mamba-2.8B sequence has only 5120 channels.
+# The floor is arithmetic, not memory: one exp per (token, channel, state entry), and the
+# GPU's special-function units do 16 per clock per SM (for N = 16 that is about twice
+# the time of reading and writing u, delta, z and y once).
+# Each block's inputs are loaded while the previous block is computed.
+
+
+def _first_order_combine(decay_1, value_1, decay_2, value_2):
+    # The map h -> decay_1 * h + value_1 followed by h -> decay_2 * h + value_2.
+    return decay_1 * decay_2, decay_2 * value_1 + value_2
+
+
+if HAS_TRITON:
+    # NOTE: a JITFunction whatever TRITON_INTERPRET says (not triton.jit, which follows
+    # the flag at import time): compiled kernels need one, and the interpreter calls its
+    # raw `.fn`, so one object serves both modes.
+    _first_order_combine = triton.runtime.jit.JITFunction(_first_order_combine)
 
 
 @lazy_jit
@@ -125,54 +164,135 @@ def _selective_scan_kernel(
     stride_b_t, stride_b_n, stride_c_t, stride_c_n, stride_z_t, stride_z_d,
     stride_y_t, stride_y_d, stride_s_slot, stride_s_d, stride_s_n,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DELTA_BIAS: tl.constexpr,
-    DELTA_SOFTPLUS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DELTA_SOFTPLUS: tl.constexpr, FAST_LOG: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, N_INNER: tl.constexpr,
 ):  # fmt: skip
-    # One program per (sequence, channel block) steps through the tokens with the
-    # [BLOCK_D, N] state in registers. Mamba1 has small N (16), so a step is cheap and
-    # the sequential walk is bounded by load latency, hidden across many programs.
-    seq = tl.program_id(0)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
+    pid_d = tl.program_id(0)
+    seq = tl.program_id(1)
+    N_OUTER: tl.constexpr = BLOCK_N // N_INNER
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, N_OUTER)[:, None] * N_INNER + tl.arange(0, N_INNER)[None, :]
     mask_d = offs_d < Dm
     mask_n = offs_n < N
-    mask_dn = mask_d[:, None] & mask_n[None, :]
+    # State-shaped tensors are [N_OUTER, BLOCK_D, N_INNER].
+    mask_dn = mask_n[:, None, :] & mask_d[None, :, None]
     start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
     end = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
     slot = tl.load(state_slots_ptr + seq).to(tl.int64)
     has_init = tl.load(has_init_ptr + seq) != 0
-    state_ptrs = (state_ptr + slot * stride_s_slot + offs_d[:, None] * stride_s_d
-                  + offs_n[None, :] * stride_s_n)  # fmt: skip
-    state = tl.load(state_ptrs, mask=mask_dn & has_init, other=0.0).to(tl.float32)
-    A = tl.load(A_ptr + offs_d[:, None] * stride_a_d + offs_n[None, :] * stride_a_n,
+    state_ptrs = (state_ptr + slot * stride_s_slot + offs_d[None, :, None] * stride_s_d
+                  + offs_n[:, None, :] * stride_s_n)  # fmt: skip
+    h = tl.load(state_ptrs, mask=mask_dn & has_init, other=0.0).to(tl.float32)
+    # Gives the carried state the layout the loop produces it in (a reduction over the
+    # token axis), so it is not converted twice per block.
+    h = tl.sum(h[None, :, :, :], axis=0)
+    A = tl.load(A_ptr + offs_d[None, :, None] * stride_a_d + offs_n[:, None, :] * stride_a_n,
                 mask=mask_dn, other=0.0).to(tl.float32)  # fmt: skip
+    A_log2 = A * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
     if HAS_DELTA_BIAS:
         delta_bias = tl.load(delta_bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     if HAS_D:
         D = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    for t in range(start, end):
-        u = tl.load(u_ptr + t * stride_u_t + offs_d * stride_u_d, mask=mask_d, other=0.0)
-        u = u.to(tl.float32)
-        delta = tl.load(delta_ptr + t * stride_delta_t + offs_d * stride_delta_d,
-                        mask=mask_d, other=0.0).to(tl.float32)  # fmt: skip
-        if HAS_DELTA_BIAS:
-            delta += delta_bias
-        if DELTA_SOFTPLUS:
-            delta = tl.where(delta <= 20.0, tl.log(1.0 + tl.exp(delta)), delta)
-        b = tl.load(B_ptr + t * stride_b_t + offs_n * stride_b_n, mask=mask_n, other=0.0)
-        c = tl.load(C_ptr + t * stride_c_t + offs_n * stride_c_n, mask=mask_n, other=0.0)
-        state = (
-            state * tl.exp(delta[:, None] * A) + (delta * u)[:, None] * b.to(tl.float32)[None, :]
-        )
-        y = tl.sum(state * c.to(tl.float32)[None, :], axis=1)
-        if HAS_D:
-            y += D * u
+
+    # Pointers to the first block; each block's inputs are loaded one block ahead.
+    rows = start + offs_t
+    u_ptrs = u_ptr + rows[:, None] * stride_u_t + offs_d[None, :] * stride_u_d
+    delta_ptrs = delta_ptr + rows[:, None] * stride_delta_t + offs_d[None, :] * stride_delta_d
+    b_ptrs = B_ptr + rows[:, None, None] * stride_b_t + offs_n[None, :, :] * stride_b_n
+    c_ptrs = C_ptr + rows[:, None, None] * stride_c_t + offs_n[None, :, :] * stride_c_n
+    y_ptrs = y_ptr + rows[:, None] * stride_y_t + offs_d[None, :] * stride_y_d
+    mask_t = rows < end
+    mask_td = mask_t[:, None] & mask_d[None, :]
+    mask_tn = mask_t[:, None, None] & mask_n[None, :, :]
+    u_next = tl.load(u_ptrs, mask=mask_td, other=0.0)
+    delta_next = tl.load(delta_ptrs, mask=mask_td, other=0.0)
+    b_next = tl.load(b_ptrs, mask=mask_tn, other=0.0)
+    c_next = tl.load(c_ptrs, mask=mask_tn, other=0.0)
+    if HAS_Z:
+        z_ptrs = z_ptr + rows[:, None] * stride_z_t + offs_d[None, :] * stride_z_d
+        z_next = tl.load(z_ptrs, mask=mask_td, other=0.0)
+    for t0 in range(start, end, BLOCK_T):
+        u = u_next.to(tl.float32)
+        delta = delta_next.to(tl.float32)
+        b = b_next.to(tl.float32)
+        c = c_next.to(tl.float32)
         if HAS_Z:
-            z = tl.load(z_ptr + t * stride_z_t + offs_d * stride_z_d, mask=mask_d, other=0.0)
-            z = z.to(tl.float32)
+            z = z_next.to(tl.float32)
+        mask_t = t0 + offs_t < end
+        mask_td = mask_t[:, None] & mask_d[None, :]
+        mask_next = t0 + BLOCK_T + offs_t < end
+        mask_next_td = mask_next[:, None] & mask_d[None, :]
+        mask_next_tn = mask_next[:, None, None] & mask_n[None, :, :]
+        u_ptrs += BLOCK_T * stride_u_t
+        delta_ptrs += BLOCK_T * stride_delta_t
+        b_ptrs += BLOCK_T * stride_b_t
+        c_ptrs += BLOCK_T * stride_c_t
+        u_next = tl.load(u_ptrs, mask=mask_next_td, other=0.0)
+        delta_next = tl.load(delta_ptrs, mask=mask_next_td, other=0.0)
+        b_next = tl.load(b_ptrs, mask=mask_next_tn, other=0.0)
+        c_next = tl.load(c_ptrs, mask=mask_next_tn, other=0.0)
+        if HAS_Z:
+            z_ptrs += BLOCK_T * stride_z_t
+            z_next = tl.load(z_ptrs, mask=mask_next_td, other=0.0)
+
+        if HAS_DELTA_BIAS:
+            delta += delta_bias[None, :]
+        if DELTA_SOFTPLUS:
+            if FAST_LOG:
+                # The interpreter has no inline PTX; tl.log is a ~20-instruction routine.
+                log2_1p = tl.inline_asm_elementwise(
+                    "lg2.approx.f32 $0, $1;",
+                    "=r,r",
+                    [1.0 + tl.exp(delta)],
+                    dtype=tl.float32,
+                    is_pure=True,
+                    pack=1,
+                )
+                delta = tl.where(delta <= 20.0, log2_1p * 0.6931471805599453, delta)
+            else:
+                delta = tl.where(delta <= 20.0, tl.log(1.0 + tl.exp(delta)), delta)
+        # Tokens past the end neither decay nor add: the block's last state is the final one.
+        delta = tl.where(mask_t[:, None], delta, 0.0)
+        decay = tl.exp2(delta[:, None, :, None] * A_log2[None, :, :, :])
+        value = (delta * u)[:, None, :, None] * b[:, :, None, :]
+        first = offs_t[:, None, None, None] == 0
+        value = tl.where(first, value + decay * h[None, :, :, :], value)
+        _, hs = tl.associative_scan((decay, value), 0, _first_order_combine)
+        y = tl.sum(tl.sum(hs * c[:, :, None, :], axis=1), axis=2)
+        h = tl.sum(tl.where(offs_t[:, None, None, None] == BLOCK_T - 1, hs, 0.0), axis=0)
+        if HAS_D:
+            y += D[None, :] * u
+        if HAS_Z:
             y *= z / (1.0 + tl.exp(-z))
-        tl.store(y_ptr + t * stride_y_t + offs_d * stride_y_d, y.to(y_ptr.dtype.element_ty),
-                 mask=mask_d)  # fmt: skip
-    tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask_dn)
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_td)
+        y_ptrs += BLOCK_T * stride_y_t
+    tl.store(state_ptrs, h.to(state_ptr.dtype.element_ty), mask=mask_dn)
+
+
+def _launch_config(S: int, Dm: int, N: int, T: int, device: torch.device) -> dict[str, Any]:
+    """Block sizes and launch options (benchmarks/kernels/bench_selective_scan.py sweeps these).
+
+    block_t: tokens per scan block (registers grow with it).
+    n_inner: state entries spread over lanes; the other N / n_inner stay in registers.
+    block_d: channels per program; a warp spans 32 // n_inner of them, so the default
+        gives every thread one channel.
+    float_bc: convert B and C to float32 before the kernel. Every thread converts every
+        B and C entry it uses, and [T, N] is tiny next to [T, Dm]: the copies take about
+        15% of the loop's instructions out (ptxas, sm_90).
+    Few sequences mean few programs: then 2-warp programs spread more evenly over SMs.
+    """
+    block_n = next_pow2(N)
+    n_inner = min(4, block_n)
+    few_programs = device.type == "cuda" and S * triton.cdiv(Dm, 32) < 4 * num_sms(device)
+    num_warps = 2 if few_programs else 4
+    return {
+        "block_t": min(8, next_pow2(T)),
+        "block_d": min(32 // n_inner * num_warps, next_pow2(Dm)),
+        "n_inner": n_inner,
+        "num_warps": num_warps,
+        "float_bc": True,
+    }
 
 
 def selective_scan_varlen_triton(
@@ -205,15 +325,18 @@ def selective_scan_varlen_triton(
     y = torch.empty_like(u)
     if S == 0:
         return y
-    block_n = next_pow2(N)
-    block_d = max(1, min(next_pow2(Dm), 2048 // block_n))
-    grid = (S, triton.cdiv(Dm, block_d))
+    cfg = _launch_config(S, Dm, N, T, u.device)
+    if cfg["float_bc"]:
+        B, C = B.float(), C.float()
+    grid = (triton.cdiv(Dm, cfg["block_d"]), S)
     _selective_scan_kernel[grid](
         u, delta, A, B, C, D, z, delta_bias, y, ssm_state,
         cu_seqlens, state_slots, has_initial_state.to(torch.int8), Dm, N,
         *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
         *(z.stride() if z is not None else (0, 0)), *y.stride(), *ssm_state.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DELTA_BIAS=delta_bias is not None,
-        DELTA_SOFTPLUS=delta_softplus, BLOCK_D=block_d, BLOCK_N=block_n,
+        DELTA_SOFTPLUS=delta_softplus, FAST_LOG=not interpret_mode(),
+        BLOCK_T=cfg["block_t"], BLOCK_D=cfg["block_d"], BLOCK_N=next_pow2(N),
+        N_INNER=cfg["n_inner"], num_warps=cfg["num_warps"],
     )  # fmt: skip
     return y
