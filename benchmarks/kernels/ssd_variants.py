@@ -76,6 +76,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="variants.json")
     ap.add_argument("--configs", default="[{}]", help="JSON list of _launch_config overrides")
+    ap.add_argument("--only", default=None, help="comma-separated variant names to run")
+    ap.add_argument(
+        "--once", action="store_true", help="run each variant 3 times, untimed (for ncu)"
+    )
     opts = ap.parse_args()
     dev = torch.device("cuda")
     T, H, P, N, G = 32768, 128, 64, 128, 1
@@ -98,12 +102,20 @@ def main() -> None:
         src = f.read()
     for override in json.loads(opts.configs):
         for name, vsrc in variants(src).items():
+            if opts.only and name not in opts.only.split(","):
+                continue
             try:
                 mod = load(name, vsrc)
                 base = mod._launch_config
                 mod._launch_config = lambda *a, base=base, o=override: {**base(*a), **o}
                 fn = lambda mod=mod: mod.ssd_scan_varlen_triton(x, dt, A, B, C, D, **kw)  # noqa: E731
-                ms = float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
+                if opts.once:
+                    for _ in range(3):
+                        fn()
+                    torch.cuda.synchronize()
+                    ms = math.nan
+                else:
+                    ms = float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
             except Exception:  # noqa: BLE001 - a variant may not compile
                 ms = math.nan
                 traceback.print_exc()
