@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import assert_close, cu_seqlens_of, randn, seeded
+from kernel_testing import TOLERANCES, assert_close, cu_seqlens_of, randn, seeded
 from triton_testing import DEVICE, requires_triton
 
 from ssmserve.kernels import ssd_scan
@@ -75,7 +75,10 @@ def compare(inp, lengths, slots, init, scale=1.0, **kw):
     y = run(ssd_scan_varlen_triton, inp, lengths, slots, init, **kw)
     assert y.dtype == inp["x"].dtype
     assert_close(y, y_ref, scale=scale, msg="y")
-    assert_close(pool, state_ref, scale=scale, msg="state pool")
+    # On the GPU the dots building the state take operands in x's dtype (x scaled by its
+    # decay weight is rounded to it), so the coarser of x's and the pool's dtype bounds it.
+    coarser = max(inp["x"].dtype, pool.dtype, key=lambda d: TOLERANCES[d][0])
+    assert_close(pool, state_ref, dtype=coarser, scale=scale, msg="state pool")
     untouched = [i for i in range(pool.shape[0]) if i not in slots]
     assert torch.equal(pool[untouched], before[untouched]), "slots of no sequence changed"
 
