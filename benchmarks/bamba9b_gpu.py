@@ -182,6 +182,61 @@ def speed(path: str, vocab: int, device: str, dtype: str, prefill: int) -> dict:
     return out
 
 
+def _kernel_table(prof, reps: int, top: int = 18) -> dict:
+    """GPU time per kernel name (ms per rep), largest first, and the total."""
+    totals: dict[str, list[float]] = {}
+    kind = (torch.autograd.DeviceType.CUDA if torch.cuda.is_available()
+            else torch.autograd.DeviceType.CPU)  # CPU: the --tiny smoke run
+    for evt in prof.events():
+        if evt.device_type == kind:
+            entry = totals.setdefault(evt.name[:90], [0.0, 0])
+            entry[0] += evt.time_range.elapsed_us() / 1e3 / reps
+            entry[1] += 1
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    return {
+        "total_ms": round(sum(v[0] for v in totals.values()), 3),
+        "kernels": [{"name": k, "ms": round(v[0], 4), "launches_per_rep": v[1] / reps}
+                    for k, v in rows[:top]],
+    }
+
+
+def profile(path: str, vocab: int, device: str, dtype: str, prefill: int) -> dict:
+    """Per-kernel GPU time of one `prefill`-token prefill step and of batch-1 decode steps
+    (CUDA graphs on, as served), from torch.profiler."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    engine = LLMEngine(EngineConfig(model=path, load_format="dummy", device=device, dtype=dtype,
+                                    kernel_backend="auto", max_num_batched_tokens=prefill,
+                                    max_model_len=prefill + 1024, max_num_seqs=8))
+    engine.add_request("warm", ids(1024, vocab, 2),
+                       SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))
+    drain(engine)
+    out = {}
+    activities = [ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]
+    engine.add_request("long", ids(prefill, vocab, 3),
+                       SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
+    sync()
+    with torch_profile(activities=activities) as prof:
+        engine.step()
+        sync()
+    out["prefill"] = _kernel_table(prof, 1)
+    drain(engine)
+    engine.add_request("d", ids(512, vocab, 4),
+                       SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))
+    for _ in range(8):  # the prefill and a few decode steps (graph capture is done)
+        engine.step()
+    sync()
+    reps = 16
+    with torch_profile(activities=activities) as prof:
+        for _ in range(reps):
+            engine.step()
+        sync()
+    out["decode_batch1"] = _kernel_table(prof, reps)
+    drain(engine)
+    return out
+
+
 def kernel_timings() -> dict:
     """State update under CUDA-graph replay (no launch overhead) and the SSD scan at 32k."""
     import triton.testing
@@ -248,7 +303,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--prefill", type=int, default=32768)
     ap.add_argument("--sections", default="kernels,correctness,speed",
-                    help="comma-separated subset of kernels,correctness,speed")
+                    help="comma-separated subset of kernels,correctness,speed,profile")
     args = ap.parse_args()
     cfg = TINY if args.tiny else BAMBA_9B
     device = "cpu" if args.tiny else "cuda"
@@ -263,7 +318,8 @@ def main() -> None:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
     sections = [("correctness", lambda: correctness(path, cfg["vocab_size"], device, dtype)),
-                ("speed", lambda: speed(path, cfg["vocab_size"], device, dtype, prefill))]
+                ("speed", lambda: speed(path, cfg["vocab_size"], device, dtype, prefill)),
+                ("profile", lambda: profile(path, cfg["vocab_size"], device, dtype, prefill))]
     if device == "cuda":
         sections.insert(0, ("kernels", kernel_timings))
     wanted = set(args.sections.split(","))
@@ -272,6 +328,9 @@ def main() -> None:
             t = time.perf_counter()
             report[name] = fn()
             report[name]["wall_s"] = round(time.perf_counter() - t, 1)
+            gc.collect()  # the section's engine, before the next one takes the GPU
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         except Exception:  # noqa: BLE001 - report and go on to the next section
             report[name] = {"error": traceback.format_exc()}
         print(name, json.dumps(report[name], indent=1), flush=True)

@@ -72,6 +72,8 @@ class ModelRunner:
             logits_indices=rows_t,
             num_decodes=num_decodes,
             query_start_loc_p=qsl_t[num_decodes:] - qsl[num_decodes],
+            query_start_loc_host=tuple(qsl),
+            context_lens_host=tuple(chunk.start for chunk in chunks),
         )
 
     @torch.inference_mode()
