@@ -175,12 +175,15 @@ def ssd_scan_varlen_ref(
 #   1. _ssd_chunk_cumsum_kernel: chunk metadata from cu_seqlens (chunks restart at each
 #      sequence's first token; an empty sequence owns one empty chunk), processed dt and
 #      its chunk-local cumsum of dt*A.
-#   2. _ssd_chunk_cb_kernel: C_i . B_j per (chunk, group), shared by the group's heads.
-#   3. _ssd_chunk_scan_kernel: one program per (chunk, head) does the rest: the chunk's
-#      own end-state contribution (all chunks in parallel), then the one sequential step
-#      S_out = exp(sum dA) S_in + contribution, chained from the previous chunk's program
-#      through a flag per head (a "chained scan": only this step waits), then the
-#      chunk's outputs y = exp(cum) C S_in + (C B^T * decay * dt) x + D x, gated by silu(z).
+#   2. _ssd_chunk_cb_kernel: the diagonal BLOCK x BLOCK tiles of C B^T per (chunk,
+#      group), shared by the group's heads.
+#   3. _ssd_chunk_scan_kernel: one program per (chunk, head, block of P) does the rest:
+#      the chunk's own end-state contribution (all chunks in parallel), then the one
+#      sequential step S_out = exp(sum dA) S_in + contribution, chained from the previous
+#      chunk's program through a flag per (head, P block) (a "chained scan": only this
+#      step waits), then the chunk's outputs BLOCK rows at a time from the state entering
+#      each row block (carried through the chunk) and the diagonal tile, + D x, gated by
+#      silu(z).
 # Chained states never leave L2: they go through a two-deep ring per head. Programs take
 # their (chunk, head) from an atomic ticket in chunk-major order, so every program a
 # program waits on has started before it (no deadlock whatever order the GPU launches
