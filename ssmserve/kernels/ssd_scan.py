@@ -53,6 +53,7 @@ def _check_ssd_args(
     dt_bias: torch.Tensor | None,
     z: torch.Tensor | None,
     chunk_size: int,
+    start_positions: torch.Tensor | None = None,
 ) -> tuple[int, int, int, int, int]:
     check_shape("x", x, [None, None, None])
     T, H, P = x.shape
@@ -71,6 +72,8 @@ def _check_ssd_args(
         check_shape("z", z, [T, H, P])
     check_shape("ssm_state", ssm_state, [None, H, P, N])
     check_shape("state_slots", state_slots, [None])
+    if start_positions is not None:
+        check_shape("start_positions", start_positions, [state_slots.shape[0]])
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     return T, H, P, G, N
@@ -93,6 +96,7 @@ def ssd_scan_varlen_ref(
     dt_limit: tuple[float, float] = (0.0, math.inf),
     z: torch.Tensor | None = None,
     chunk_size: int = 256,
+    start_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen SSD scan (Mamba2 prefill) in PyTorch, float32 state math.
 
@@ -110,6 +114,10 @@ def ssd_scan_varlen_ref(
         dt_bias: [H] or None. dt_softplus, dt_limit: see module docstring.
         z: [T, H, P] gate or None (y *= silu(z)).
         chunk_size: blocking only; results do not depend on it beyond rounding.
+        start_positions: [S] int or None (= 0): absolute position of each sequence's first
+            token. Chunks are aligned to multiples of chunk_size in absolute positions: a
+            sequence resumed mid-chunk starts with a shortened chunk, so its later chunks
+            are the ones a single pass over the whole sequence would have made.
 
     Returns:
         y: [T, H, P] in x.dtype.
@@ -128,19 +136,25 @@ def ssd_scan_varlen_ref(
         dt_bias,
         z,
         chunk_size,
+        start_positions,
     )
     seqs = check_varlen(cu_seqlens, state_slots, has_initial_state, T, ssm_state.shape[0])
+    offsets = [0] * len(seqs) if start_positions is None else start_positions.tolist()
     heads_per_group = H // G
     dt_all = process_dt(dt, dt_bias, dt_softplus, dt_limit)  # [T, H]
     A_gh = A.float().view(G, heads_per_group)
     y = torch.empty(T, H, P, dtype=torch.float32, device=x.device)
-    for start, end, slot, has_init in seqs:
+    for (start, end, slot, has_init), position in zip(seqs, offsets, strict=True):
         if has_init:
             state = ssm_state[slot].float().view(G, heads_per_group, P, N)
         else:
             state = x.new_zeros(G, heads_per_group, P, N, dtype=torch.float32)
-        for c0 in range(start, end, chunk_size):
-            c1 = min(c0 + chunk_size, end)
+        # Chunk ends at absolute multiples of chunk_size.
+        first_end = start + chunk_size - position % chunk_size
+        for c0 in [start, *range(first_end, end, chunk_size)]:
+            if c0 >= end:
+                break
+            c1 = min(end, first_end if c0 == start else c0 + chunk_size)
             length = c1 - c0
             x_c = x[c0:c1].float().view(length, G, heads_per_group, P)
             dt_c = dt_all[c0:c1].view(length, G, heads_per_group)
@@ -172,9 +186,10 @@ def ssd_scan_varlen_ref(
 # ---------------------------------------------------------------------------- Triton
 #
 # The Triton path is the chunked SSD decomposition in three launches, no host sync:
-#   1. _ssd_chunk_cumsum_kernel: chunk metadata from cu_seqlens (chunks restart at each
-#      sequence's first token; an empty sequence owns one empty chunk), processed dt and
-#      its chunk-local cumsum of dt*A.
+#   1. _ssd_chunk_cumsum_kernel: chunk metadata from cu_seqlens and start_positions
+#      (chunks align to absolute positions, so a sequence resumed mid-chunk starts with a
+#      shortened chunk; an empty sequence owns one empty chunk), processed dt and its
+#      chunk-local cumsum of dt*A.
 #   2. _ssd_chunk_cb_kernel: the diagonal BLOCK x BLOCK tiles of C B^T per (chunk,
 #      group), shared by the group's heads.
 #   3. _ssd_chunk_scan_kernel: one program per (chunk, head, block of P) does the rest:
@@ -188,35 +203,46 @@ def ssd_scan_varlen_ref(
 # their (chunk, head) from an atomic ticket in chunk-major order, so every program a
 # program waits on has started before it (no deadlock whatever order the GPU launches
 # programs in), and the interpreter, which runs programs one by one, never waits.
-# Chunk ids run over an upper bound, cdiv(T, chunk) + S, so grids and buffers never
+# Chunk ids run over an upper bound, cdiv(T, chunk) + 2 S, so grids and buffers never
 # depend on device values; ids past the real chunks belong to no sequence and do nothing.
 
 
 @lazy_jit
 def _ssd_chunk_cumsum_kernel(
-    dt_ptr, A_ptr, dt_bias_ptr, cu_seqlens_ptr,
+    dt_ptr, A_ptr, dt_bias_ptr, cu_seqlens_ptr, start_pos_ptr,
     dt_out_ptr, cum_out_ptr, chunk_start_ptr, chunk_len_ptr, chunk_seq_ptr,
     seq_first_chunk_ptr,
     num_seqs, H, dt_min, dt_max,
     stride_dt_t, stride_dt_h,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, CLAMP_DT: tl.constexpr,
+    HAS_START_POS: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SEQ: tl.constexpr,
 ):  # fmt: skip
     chunk = tl.program_id(0)
     pid_h = tl.program_id(1)
     # Which sequence owns this chunk id, without a search: sequence s owns chunk ids
-    # [first_chunk[s], first_chunk[s] + max(1, cdiv(len_s, CHUNK))); at most one matches.
+    # [first_chunk[s], first_chunk[s] + max(1, cdiv(offset_s + len_s, CHUNK))), where
+    # offset_s is its first token's absolute position mod CHUNK (its first chunk is
+    # shortened by that much, so the others align); at most one sequence matches.
     offs_s = tl.arange(0, BLOCK_SEQ)
     mask_s = offs_s < num_seqs
     seq_start = tl.load(cu_seqlens_ptr + offs_s, mask=mask_s, other=0).to(tl.int32)
     seq_end = tl.load(cu_seqlens_ptr + offs_s + 1, mask=mask_s, other=0).to(tl.int32)
-    num_chunks = tl.where(mask_s, tl.maximum((seq_end - seq_start + CHUNK - 1) // CHUNK, 1), 0)
+    if HAS_START_POS:
+        offset = (tl.load(start_pos_ptr + offs_s, mask=mask_s, other=0) % CHUNK).to(tl.int32)
+    else:
+        offset = tl.zeros((BLOCK_SEQ,), dtype=tl.int32)
+    num_chunks = tl.maximum((offset + seq_end - seq_start + CHUNK - 1) // CHUNK, 1)
+    num_chunks = tl.where(mask_s, num_chunks, 0)
     last_chunk = tl.cumsum(num_chunks, 0)
     first_chunk = last_chunk - num_chunks
     owner = (first_chunk <= chunk) & (chunk < last_chunk)
-    start = tl.sum(tl.where(owner, seq_start + (chunk - first_chunk) * CHUNK, 0), 0)
-    end = tl.sum(tl.where(owner, seq_end, 0), 0)
-    length = tl.minimum(end - start, CHUNK)
+    k = chunk - first_chunk  # index of this chunk within its sequence
+    start = tl.sum(tl.where(owner, seq_start + tl.maximum(k * CHUNK - offset, 0), 0), 0)
+    end = tl.sum(
+        tl.where(owner, tl.minimum(seq_end, seq_start + (k + 1) * CHUNK - offset), 0), 0
+    )  # fmt: skip
+    length = tl.maximum(end - start, 0)
     seq = tl.max(tl.where(owner, offs_s, -1), 0)
     tl.store(chunk_start_ptr + chunk, start, mask=pid_h == 0)
     tl.store(chunk_len_ptr + chunk, length, mask=pid_h == 0)
@@ -510,6 +536,48 @@ def _dot_config(dtype: torch.dtype) -> dict[str, Any]:
     return dict(dot=tl.float16, precision="tf32", state_dot=tl.float32, state_precision="tf32")
 
 
+def _chunk_layout(
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    start_positions: torch.Tensor | None,
+    chunk: int,
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+) -> dict[str, torch.Tensor]:
+    """Chunks of the packed sequences, on the device (launch 1 of the scan).
+
+    Returns chunk_start, chunk_len, chunk_seq ([num_chunk_ids] int32; ids past the real
+    chunks have chunk_seq -1), seq_first_chunk ([S + 1] int32: sequence s owns chunk ids
+    seq_first_chunk[s]:seq_first_chunk[s + 1]), and dt (processed) and cum (its
+    chunk-local cumsum of dt * A), both [num_chunk_ids, H, chunk] float32, zero dt past
+    a chunk's end.
+    """
+    T, H = dt.shape
+    S = cu_seqlens.shape[0] - 1
+    # Whole chunks, plus per sequence at most one partial or empty chunk, and one more
+    # where its first chunk is shortened to align the rest.
+    num_chunk_ids = triton.cdiv(T, chunk) + (2 * S if start_positions is not None else S)
+    dev = dt.device
+    meta = torch.empty(3, num_chunk_ids, dtype=torch.int32, device=dev)
+    seq_first_chunk = torch.empty(S + 1, dtype=torch.int32, device=dev)
+    dt_buf = torch.empty(num_chunk_ids, H, chunk, dtype=torch.float32, device=dev)
+    cum_buf = torch.empty_like(dt_buf)
+    lo, hi = dt_limit
+    block_h = min(16, next_pow2(H))
+    _ssd_chunk_cumsum_kernel[(num_chunk_ids, triton.cdiv(H, block_h))](
+        dt, A, dt_bias, cu_seqlens, start_positions,
+        dt_buf, cum_buf, meta[0], meta[1], meta[2], seq_first_chunk,
+        S, H, float(lo), float(hi), *dt.stride(),
+        HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
+        CLAMP_DT=lo > 0.0 or hi < math.inf, HAS_START_POS=start_positions is not None,
+        CHUNK=chunk, BLOCK_H=block_h, BLOCK_SEQ=next_pow2(S + 1),
+    )  # fmt: skip
+    return dict(chunk_start=meta[0], chunk_len=meta[1], chunk_seq=meta[2],
+                seq_first_chunk=seq_first_chunk, dt=dt_buf, cum=cum_buf)  # fmt: skip
+
+
 def ssd_scan_varlen_triton(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -527,20 +595,21 @@ def ssd_scan_varlen_triton(
     dt_limit: tuple[float, float] = (0.0, math.inf),
     z: torch.Tensor | None = None,
     chunk_size: int = 256,
+    start_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of `ssd_scan_varlen_ref` (same arguments, shapes and result).
 
     Chunked (see the comment above the kernels): chunks of chunk_size tokens rounded down
-    to a power of two in [16, 256], restarting at each sequence's first token; blocking
-    only affects rounding. Scratch: dt and its cumsum (8 bytes per token and head), C.B^T
-    per chunk and group, and a float32 ring of two states per head (8 MiB at Bamba-9B
-    dims). No host sync (CUDA-graph safe): chunk metadata is computed on the device.
-    cu_seqlens, state_slots and has_initial_state values are not validated: slots must be
-    valid and distinct.
+    to a power of two in [16, 256], aligned to multiples of that in absolute positions
+    (`start_positions`, as in the twin); blocking only affects rounding. Scratch: dt and
+    its cumsum (8 bytes per token and head), C.B^T per chunk and group, and a float32 ring
+    of two states per head (8 MiB at Bamba-9B dims). No host sync (CUDA-graph safe): chunk
+    metadata is computed on the device. cu_seqlens, state_slots and has_initial_state
+    values are not validated: slots must be valid and distinct.
     """
     T, H, P, G, N = _check_ssd_args(
         x, dt, A, B, C, D, cu_seqlens, ssm_state, state_slots, has_initial_state, dt_bias, z,
-        chunk_size,
+        chunk_size, start_positions,
     )  # fmt: skip
     S = state_slots.shape[0]
     check_shape("cu_seqlens", cu_seqlens, [S + 1])
@@ -554,32 +623,20 @@ def ssd_scan_varlen_triton(
     block_p = max(16, min(cfg["block_p"], next_pow2(P)))
     p_blocks = triton.cdiv(P, block_p)
     block_n = max(16, next_pow2(N))
-    # Whole chunks, plus at most one partial or empty chunk per sequence.
-    num_chunk_ids = triton.cdiv(T, chunk) + S
+    layout = _chunk_layout(dt, A, dt_bias, cu_seqlens, start_positions, chunk,
+                           dt_softplus, dt_limit)  # fmt: skip
+    num_chunk_ids = layout["chunk_len"].shape[0]
+    chunk_start, chunk_len = layout["chunk_start"], layout["chunk_len"]
+    chunk_seq, seq_first_chunk = layout["chunk_seq"], layout["seq_first_chunk"]
+    dt_buf, cum_buf = layout["dt"], layout["cum"]
     dev = x.device
-    meta = torch.empty(3, num_chunk_ids, dtype=torch.int32, device=dev)
-    chunk_start, chunk_len, chunk_seq = meta
-    seq_first_chunk = torch.empty(S + 1, dtype=torch.int32, device=dev)
-    dt_buf = torch.empty(num_chunk_ids, H, chunk, dtype=torch.float32, device=dev)
-    cum_buf = torch.empty_like(dt_buf)
     cb = torch.empty(num_chunk_ids, G, chunk // block, block, block, dtype=x.dtype, device=dev)
     ring = torch.empty(2, H * p_blocks, block_n, block_p, dtype=torch.float32, device=dev)
     # [ticket, published per (head, P block)]: the only buffer that must start at zero.
     counters = torch.zeros(1 + H * p_blocks, dtype=torch.int32, device=dev)
-    lo, hi = dt_limit
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     if cfg.get("maxnreg"):
         launch["maxnreg"] = cfg["maxnreg"]
-
-    block_h = min(16, next_pow2(H))
-    _ssd_chunk_cumsum_kernel[(num_chunk_ids, triton.cdiv(H, block_h))](
-        dt, A, dt_bias, cu_seqlens,
-        dt_buf, cum_buf, chunk_start, chunk_len, chunk_seq, seq_first_chunk,
-        S, H, float(lo), float(hi), *dt.stride(),
-        HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
-        CLAMP_DT=lo > 0.0 or hi < math.inf,
-        CHUNK=chunk, BLOCK_H=block_h, BLOCK_SEQ=next_pow2(S + 1),
-    )  # fmt: skip
     _ssd_chunk_cb_kernel[(chunk // block, num_chunk_ids, G)](
         B, C, cb, chunk_start, chunk_len, N, *B.stride(), *C.stride(),
         CHUNK=chunk, BLOCK=block, BLOCK_N=block_n,

@@ -59,12 +59,15 @@ def run(inp, lengths, slots, init, **kw):
 @pytest.mark.parametrize("G", [1, 3])
 @pytest.mark.parametrize("with_dz", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_varlen_matches_naive_loop(G, with_dz, dtype):
+@pytest.mark.parametrize("positions", [None, [3, 8, 5, 13]])
+def test_varlen_matches_naive_loop(G, with_dz, dtype, positions):
+    """positions: sequences resumed at those absolute positions (first chunks shortened)."""
     lengths, slots, init = [13, 1, 0, 29], [4, 0, 2, 1], [True, False, True, False]
     inp = make_inputs(lengths, H=6, G=G, dtype=dtype, with_dz=with_dz)
     pool_before = inp["ssm_state"].clone()
     dt_limit = (0.05, 2.0)
-    y = run(inp, lengths, slots, init, chunk_size=8, dt_limit=dt_limit)
+    start = None if positions is None else torch.tensor(positions)
+    y = run(inp, lengths, slots, init, chunk_size=8, dt_limit=dt_limit, start_positions=start)
     assert y.dtype == dtype and y.shape == inp["x"].shape
     cu = cu_seqlens_of(lengths).tolist()
     for s, slot in enumerate(slots):
