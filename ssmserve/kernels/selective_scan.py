@@ -286,7 +286,7 @@ def _launch_config(S: int, Dm: int, N: int, T: int, device: torch.device) -> dic
     n_inner = min(4, block_n)
     few_programs = device.type == "cuda" and S * triton.cdiv(Dm, 32) < 4 * num_sms(device)
     num_warps = 2 if few_programs else 4
-    # Measured on the H200 (benchmarks/results/selective_scan_2026-11-30_h200.log, Mamba-2.8B
+    # Measured on the H200 (benchmarks/results/selective_scan_2026-11-30_h200_sweep.log, Mamba-2.8B
     # dims, 8k tokens): one sequence 0.886 ms with 16-token blocks against 1.076 with 8;
     # eight sequences 0.508 with 8 against 0.540 with 16.
     return {
