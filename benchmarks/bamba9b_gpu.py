@@ -114,12 +114,18 @@ def correctness(path: str, vocab: int, device: str, dtype: str) -> dict:
     return report
 
 
+def served_engine(path: str, device: str, dtype: str, prefill: int,
+                  max_num_seqs: int) -> LLMEngine:
+    """The engine as served (Triton kernels, CUDA graphs), sized for one `prefill` step."""
+    return LLMEngine(EngineConfig(model=path, load_format="dummy", device=device, dtype=dtype,
+                                  kernel_backend="auto", max_num_batched_tokens=prefill,
+                                  max_model_len=prefill + 1024, max_num_seqs=max_num_seqs))
+
+
 def speed(path: str, vocab: int, device: str, dtype: str, prefill: int) -> dict:
     out = {}
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=path, load_format="dummy", device=device, dtype=dtype,
-                                    kernel_backend="auto", max_num_batched_tokens=prefill,
-                                    max_model_len=prefill + 1024, max_num_seqs=128))
+    engine = served_engine(path, device, dtype, prefill, max_num_seqs=128)
     out["engine_start_s"] = round(time.perf_counter() - t0, 1)
     out["cache"] = engine.stats()
     engine.add_request("warm", ids(min(1024, prefill), vocab, 2),
@@ -206,9 +212,7 @@ def profile(path: str, vocab: int, device: str, dtype: str, prefill: int) -> dic
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    engine = LLMEngine(EngineConfig(model=path, load_format="dummy", device=device, dtype=dtype,
-                                    kernel_backend="auto", max_num_batched_tokens=prefill,
-                                    max_model_len=prefill + 1024, max_num_seqs=8))
+    engine = served_engine(path, device, dtype, prefill, max_num_seqs=8)
     engine.add_request("warm", ids(1024, vocab, 2),
                        SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))
     drain(engine)

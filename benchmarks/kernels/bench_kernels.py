@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +33,8 @@ OPTS = ARGS.parse_args()
 if OPTS.smoke:
     os.environ["TRITON_INTERPRET"] = "1"
 
+from bench_common import RESULTS, guarded, log, record_check, rel_err  # noqa: E402
+
 from ssmserve.kernels import causal_conv1d as conv_mod  # noqa: E402
 from ssmserve.kernels import gated_rms_norm as norm_mod  # noqa: E402
 from ssmserve.kernels import paged_attention as attn_mod  # noqa: E402
@@ -43,7 +43,7 @@ from ssmserve.kernels import ssd_scan as ssd_mod  # noqa: E402
 from ssmserve.kernels import state_update as su_mod  # noqa: E402
 
 DEV = torch.device("cpu" if OPTS.smoke else "cuda")
-RESULTS: dict[str, Any] = {"checks": [], "timings": [], "errors": [], "ceilings": {}}
+RESULTS["ceilings"] = {}
 # Model dims: (name, heads, head_dim, d_state, n_groups, conv_dim)
 MODELS = [
     ("bamba-9b", 128, 64, 128, 1, 8192 + 2 * 128),
@@ -53,25 +53,8 @@ if OPTS.smoke:
     MODELS = [("smoke", 4, 16, 16, 1, 48)]
 
 
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
 def section(name: str) -> bool:
     return not OPTS.only or name in OPTS.only.split(",")
-
-
-def guarded(fn: Callable[[], None]) -> None:
-    """Run one section; record and continue on failure so one bug costs no other data."""
-    try:
-        fn()
-    except Exception:  # noqa: BLE001 - the benchmark must go on
-        tb = traceback.format_exc()
-        log(f"ERROR in {fn.__name__}:\n{tb}")
-        RESULTS["errors"].append({"section": fn.__name__, "traceback": tb[-3000:]})
-    finally:
-        if DEV.type == "cuda":
-            torch.cuda.empty_cache()
 
 
 def bench(fn: Callable[[], Any]) -> float:
@@ -84,20 +67,6 @@ def bench(fn: Callable[[], Any]) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return math.inf
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def record_check(name: str, errors: dict[str, float], limit: float) -> None:
-    ok = all(e <= limit for e in errors.values())
-    RESULTS["checks"].append({"name": name, "rel_err": errors, "limit": limit, "ok": ok})
-    pretty = ", ".join(f"{k}={v:.2e}" for k, v in errors.items())
-    log(f"check {'OK  ' if ok else 'FAIL'} {name}: {pretty} (limit {limit:.0e})")
 
 
 def floor_ms(bytes_moved: float, flops: float) -> tuple[float, float]:

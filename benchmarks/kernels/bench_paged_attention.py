@@ -19,24 +19,30 @@ docs/kernels_notes.md); decode bytes are the K and V the batch must read.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
 import subprocess
-import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import triton
-import triton.testing
+from bench_common import (
+    BF16_FLOP_PER_S,
+    COPY_BYTES_PER_S,
+    RESULTS,
+    bench_ms,
+    elapsed_s,
+    environment,
+    finish,
+    log,
+    record_check,
+    rel_err,
+    run_sections,
+)
 
 from ssmserve.kernels import paged_attention as attn_mod
 
-COPY_BYTES_PER_S = 4.23e12
-BF16_FLOP_PER_S = 6.85e14
 MAX_KV_BYTES = 20e9  # skip decode cases whose cache is larger
 TIME_BUDGET_S = 50.0
 
@@ -50,25 +56,6 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 H, KVH, DH, BLOCK_SIZE = (8, 2, 12, 4) if TINY else (32, 8, 128, 16)
 BATCHES = (1, 3) if TINY else (1, 64, 256)
 CONTEXTS = (20, 70) if TINY else (1024, 4096, 32768)
-START = time.perf_counter()
-RESULTS: dict[str, Any] = {"checks": [], "timings": [], "errors": []}
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def guarded(fn: Callable[[], None]) -> None:
-    """Run one section; record the traceback and go on, so one failure loses no other data."""
-    try:
-        fn()
-    except Exception:  # noqa: BLE001 - the benchmark must go on
-        tb = traceback.format_exc()
-        log(f"ERROR in {fn.__name__}:\n{tb}")
-        RESULTS["errors"].append({"section": fn.__name__, "traceback": tb[-3000:]})
-    finally:
-        if DEV.type == "cuda":
-            torch.cuda.empty_cache()
 
 
 def leading_decodes(q_lens: list[int]) -> int:
@@ -129,20 +116,6 @@ def call(
     )  # fmt: skip
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return math.inf
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def record_check(name: str, errors: dict[str, float], limit: float = 1e-2) -> None:
-    ok = all(e <= limit for e in errors.values())
-    RESULTS["checks"].append({"name": name, "rel_err": errors, "limit": limit, "ok": ok})
-    pretty = ", ".join(f"{k}={v:.2e}" for k, v in errors.items())
-    log(f"check {'OK  ' if ok else 'FAIL'} {name}: {pretty} (limit {limit:.0e})")
-
-
 def costs(ctx_lens: list[int], q_lens: list[int], elem: int = 2) -> dict[str, float]:
     """Bytes (K/V read once per KV head, q read, out written) and causal FLOP."""
     seq_lens = [c + q for c, q in zip(ctx_lens, q_lens, strict=True)]
@@ -158,12 +131,8 @@ def costs(ctx_lens: list[int], q_lens: list[int], elem: int = 2) -> dict[str, fl
     }
 
 
-def bench_ms(fn: Callable[[], Any]) -> float:
-    if DEV.type != "cuda":  # interpreter smoke run: one call, wall time
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+def timed_ms(fn: Callable[[], Any]) -> float:
+    return bench_ms(fn, warmup=10, rep=40)
 
 
 def record_time(label: str, ms: float, b: dict[str, Any], **extra: Any) -> None:
@@ -176,7 +145,7 @@ def record_time(label: str, ms: float, b: dict[str, Any], **extra: Any) -> None:
 
 
 def over_budget(what: str) -> bool:
-    if time.perf_counter() - START > TIME_BUDGET_S:
+    if elapsed_s() > TIME_BUDGET_S:
         log(f"time budget spent, skipping {what}")
         return True
     return False
@@ -250,7 +219,7 @@ def check_cuda_graph() -> None:
                   "real rows vs twin": rel_err(out[:n], ref)}, limit=1e-2)  # fmt: skip
     ok = bool(torch.isfinite(out[n:].float()).all())
     record_check("padding rows finite", {"nonfinite": 0.0 if ok else math.inf})
-    record_time(f"decode batch {n}->{size} ctx<4k, 32k tables, graph", bench_ms(graph.replay),
+    record_time(f"decode batch {n}->{size} ctx<4k, 32k tables, graph", timed_ms(graph.replay),
                 padded)  # fmt: skip
 
 
@@ -266,7 +235,7 @@ def graph_ms(fn: Callable[[], Any]) -> float | None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    ms = bench_ms(graph.replay)
+    ms = timed_ms(graph.replay)
     del graph
     return ms
 
@@ -284,14 +253,14 @@ def time_decode() -> None:
             b = make_batch([ctx - 1] * batch, [1] * batch)
             fn = lambda b=b: call(attn_mod.paged_attention_triton, b)  # noqa: E731
             cfg = attn_mod._decode_config(batch, KVH, H // KVH, DH, ctx, DEV)
-            record_time(f"decode batch {batch} ctx {ctx}", bench_ms(fn), b, config=cfg)
+            record_time(f"decode batch {batch} ctx {ctx}", timed_ms(fn), b, config=cfg)
             ms = graph_ms(fn)
             if ms is not None:
                 record_time(f"decode batch {batch} ctx {ctx} graph", ms, b, config=cfg)
             if batch == BATCHES[1] and ctx == CONTEXTS[1]:
                 general = lambda b=b: call(attn_mod.paged_attention_triton, b, 0)  # noqa: E731
                 record_time(f"decode batch {batch} ctx {ctx} via prefill path",
-                            bench_ms(general), b)  # fmt: skip
+                            timed_ms(general), b)  # fmt: skip
             del b
 
 
@@ -307,7 +276,7 @@ def time_prefill() -> None:
             continue
         b = make_batch(ctx, q_lens)
         record_time(f"prefill {name}",
-                    bench_ms(lambda b=b: call(attn_mod.paged_attention_triton, b)), b,
+                    timed_ms(lambda b=b: call(attn_mod.paged_attention_triton, b)), b,
                     config=attn_mod._prefill_config(H // KVH, DH))  # fmt: skip
         del b
 
@@ -337,7 +306,7 @@ def sweep_decode() -> None:
                     err = rel_err(call(attn_mod.paged_attention_triton, b), expected)
                     ms = graph_ms(lambda b=b: call(attn_mod.paged_attention_triton, b))
                     if ms is None:
-                        ms = bench_ms(lambda b=b: call(attn_mod.paged_attention_triton, b))
+                        ms = timed_ms(lambda b=b: call(attn_mod.paged_attention_triton, b))
                 except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
                     log(f"{label}: failed: {str(exc)[:300]}")
                     RESULTS["errors"].append({"section": label, "traceback": str(exc)[:3000]})
@@ -350,47 +319,24 @@ def sweep_decode() -> None:
         attn_mod._decode_config = default
 
 
-def environment() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        commit = "unknown"
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "ssmserve/kernels"],
-                           capture_output=True, text=True, check=False).stdout.strip()  # fmt: skip
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu (interpreter)",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": commit,
-        "kernels_dirty": bool(dirty),
-        "dims": {"H": H, "KVH": KVH, "Dh": DH, "block_size": BLOCK_SIZE},
-    }
-
-
 def main() -> None:
     if DEV.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("no CUDA GPU: run with --tiny and TRITON_INTERPRET=1 for a CPU check")
     if DEV.type != "cuda" and not TINY:
         raise SystemExit("the interpreter is far too slow for real sizes; add --tiny")
-    RESULTS["env"] = environment()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "ssmserve/kernels"],
+                           capture_output=True, text=True, check=False).stdout.strip()  # fmt: skip
+    RESULTS["env"] = environment(
+        kernels_dirty=bool(dirty), dims={"H": H, "KVH": KVH, "Dh": DH, "block_size": BLOCK_SIZE}
+    )
     log(json.dumps(RESULTS["env"]))
-    for section in (check_accuracy, check_cuda_graph, time_decode, time_prefill, sweep_decode):
-        guarded(section)
-        log(f"-- {section.__name__} done at {time.perf_counter() - START:.1f} s")
-    RESULTS["wall_s"] = time.perf_counter() - START
-    log("\n| case | ms | floor ms | x floor |\n| --- | --- | --- | --- |")
-    for row in RESULTS["timings"]:
-        log(f"| {row['name']} | {row['ms']:.4f} | {row['floor_ms']:.4f} | "
-            f"{row['ms'] / row['floor_ms']:.2f} |")  # fmt: skip
-    fails = [c["name"] for c in RESULTS["checks"] if not c["ok"]]
-    log(f"\nchecks: {len(RESULTS['checks']) - len(fails)} ok, failed: {fails}; "
-        f"errors: {len(RESULTS['errors'])}; wall {RESULTS['wall_s']:.1f} s")  # fmt: skip
-    with open(OPTS.out, "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
-    log(f"wrote {OPTS.out}")
+    run_sections((check_accuracy, check_cuda_graph, time_decode, time_prefill, sweep_decode))
+    finish(
+        OPTS.out,
+        ["case", "ms", "floor ms", "x floor"],
+        lambda r: [r["name"], f"{r['ms']:.4f}", f"{r['floor_ms']:.4f}",
+                   f"{r['ms'] / r['floor_ms']:.2f}"],
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

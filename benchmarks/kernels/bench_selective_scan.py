@@ -20,13 +20,9 @@ and only checks that the script runs.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import subprocess
-import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -41,12 +37,22 @@ if OPTS.tiny and not torch.cuda.is_available():
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-import triton.testing  # noqa: E402
+from bench_common import (  # noqa: E402
+    COPY_BYTES_PER_S,
+    RESULTS,
+    bench_ms,
+    elapsed_s,
+    environment,
+    finish,
+    log,
+    record_check,
+    rel_err,
+    run_sections,
+)
 
 from ssmserve.kernels import selective_scan as scan_mod  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-COPY_BYTES_PER_S = 4.23e12
 # (name, d_inner, d_state)
 MODELS = [("mamba-2.8b", 5120, 16), ("falcon-mamba-7b", 8192, 16)]
 CHECK_T = 2048
@@ -69,25 +75,6 @@ if OPTS.tiny:
     MODELS = [("tiny", 16, 8), ("tiny-odd", 12, 5)]
     CHECK_T, TIME_T, SWEEP_T = 20, [12], 12
     SWEEP = SWEEP[:2] + SWEEP[-1:]
-START = time.perf_counter()
-RESULTS: dict[str, Any] = {"checks": [], "timings": [], "kernels": [], "errors": []}
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def guarded(fn: Callable[[], None]) -> None:
-    """Run one section; record the traceback and go on, so one failure loses no other data."""
-    try:
-        fn()
-    except Exception:  # noqa: BLE001 - the benchmark must go on
-        tb = traceback.format_exc()
-        log(f"ERROR in {fn.__name__}:\n{tb}")
-        RESULTS["errors"].append({"section": fn.__name__, "traceback": tb[-3000:]})
-    finally:
-        if DEV.type == "cuda":
-            torch.cuda.empty_cache()
 
 
 def split_evenly(T: int, S: int) -> list[int]:
@@ -148,28 +135,6 @@ def call(fn: Callable[..., torch.Tensor], inp: dict[str, Any]) -> torch.Tensor:
 def sync() -> None:
     if DEV.type == "cuda":
         torch.cuda.synchronize()
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return math.inf
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def record_check(name: str, errors: dict[str, float], limit: float = 1e-2) -> None:
-    ok = all(e <= limit for e in errors.values())
-    RESULTS["checks"].append({"name": name, "rel_err": errors, "limit": limit, "ok": ok})
-    pretty = ", ".join(f"{k}={v:.2e}" for k, v in errors.items())
-    log(f"check {'OK  ' if ok else 'FAIL'} {name}: {pretty} (limit {limit:.0e})")
-
-
-def bench_ms(fn: Callable[[], Any]) -> float:
-    if DEV.type == "cuda":
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    t0 = time.perf_counter()  # interpreter: only proves the path runs
-    fn()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def costs(T: int, S: int, Dm: int, N: int, elt: int) -> dict[str, float]:
@@ -347,7 +312,7 @@ def sweep_configs() -> None:
         for S in (1, 8):
             inp = make_inputs(split_evenly(SWEEP_T, S), Dm, N, True)
             for override in SWEEP:
-                if time.perf_counter() - START > TIME_BUDGET_S:
+                if elapsed_s() > TIME_BUDGET_S:
                     log(f"sweep: time budget spent, skipping {override}")
                     continue
                 cfg = {**default(S, Dm, N, SWEEP_T, DEV), **override}
@@ -364,47 +329,24 @@ def sweep_configs() -> None:
         scan_mod._launch_config = default
 
 
-def environment() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        commit = "unknown"
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu (interpreter)",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": commit,
-        "tiny": OPTS.tiny,
-        "default_config_1seq_2.8b": scan_mod._launch_config(1, 5120, 16, 8192, DEV),
-        "default_config_8seq_2.8b": scan_mod._launch_config(8, 5120, 16, 8192, DEV),
-    }
-
-
 def main() -> None:
     if DEV.type != "cuda" and not OPTS.tiny:
         raise SystemExit("bench_selective_scan.py needs a CUDA GPU (or --tiny)")
-    RESULTS["env"] = environment()
+    RESULTS["env"] = environment(**{
+        "tiny": OPTS.tiny,
+        "default_config_1seq_2.8b": scan_mod._launch_config(1, 5120, 16, 8192, DEV),
+        "default_config_8seq_2.8b": scan_mod._launch_config(8, 5120, 16, 8192, DEV),
+    })  # fmt: skip
     log(json.dumps(RESULTS["env"]))
-    for section in (check_accuracy, measure_exp2_rate, check_cuda_graph, time_sizes,
-                    profile_kernels, sweep_configs):  # fmt: skip
-        guarded(section)
-        log(f"-- {section.__name__} done at {time.perf_counter() - START:.1f} s")
-    RESULTS["wall_s"] = time.perf_counter() - START
-    log("\n| case | ms | mem floor ms | x mem | exp floor ms | x exp |")
-    log("| --- | --- | --- | --- | --- | --- |")
-    for row in RESULTS["timings"]:
-        log(f"| {row['name']} | {row['ms']:.3f} | {row['floor_mem_ms']:.3f} | "
-            f"{row['ms'] / row['floor_mem_ms']:.1f} | {row['floor_exp_ms']:.3f} | "
-            f"{row['ms'] / row['floor_exp_ms']:.1f} |")  # fmt: skip
-    fails = [c["name"] for c in RESULTS["checks"] if not c["ok"]]
-    log(f"\nchecks: {len(RESULTS['checks']) - len(fails)} ok, failed: {fails}; "
-        f"errors: {len(RESULTS['errors'])}; wall {RESULTS['wall_s']:.1f} s")  # fmt: skip
-    with open(OPTS.out, "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
-    log(f"wrote {OPTS.out}")
+    run_sections((check_accuracy, measure_exp2_rate, check_cuda_graph, time_sizes,
+                  profile_kernels, sweep_configs))  # fmt: skip
+    finish(
+        OPTS.out,
+        ["case", "ms", "mem floor ms", "x mem", "exp floor ms", "x exp"],
+        lambda r: [r["name"], f"{r['ms']:.3f}", f"{r['floor_mem_ms']:.3f}",
+                   f"{r['ms'] / r['floor_mem_ms']:.1f}", f"{r['floor_exp_ms']:.3f}",
+                   f"{r['ms'] / r['floor_exp_ms']:.1f}"],
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -16,24 +16,30 @@ chunk-parallel design (contributions, entering states) to the essential bytes.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import math
-import subprocess
-import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import triton
-import triton.testing
+from bench_common import (
+    BF16_FLOP_PER_S,
+    COPY_BYTES_PER_S,
+    RESULTS,
+    bench_ms,
+    elapsed_s,
+    environment,
+    finish,
+    log,
+    record_check,
+    rel_err,
+    run_sections,
+)
 
 from ssmserve.kernels import ssd_scan as ssd_mod
 
-COPY_BYTES_PER_S = 4.23e12
-BF16_FLOP_PER_S = 6.85e14
 # (name, heads, head_dim, d_state, n_groups)
 MODELS = [("bamba-9b", 128, 64, 128, 1), ("mamba2-2.7b", 80, 64, 128, 1)]
 CHUNK_SIZE = 256  # both models' mamba chunk_size
@@ -66,24 +72,6 @@ ARGS.add_argument(
     help="path of another ssd_scan.py (e.g. the previous commit's) to time beside this one",
 )  # fmt: skip
 DEV = torch.device("cuda")
-START = time.perf_counter()
-RESULTS: dict[str, Any] = {"checks": [], "timings": [], "kernels": [], "errors": []}
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def guarded(fn: Callable[[], None]) -> None:
-    """Run one section; record the traceback and go on, so one failure loses no other data."""
-    try:
-        fn()
-    except Exception:  # noqa: BLE001 - the benchmark must go on
-        tb = traceback.format_exc()
-        log(f"ERROR in {fn.__name__}:\n{tb}")
-        RESULTS["errors"].append({"section": fn.__name__, "traceback": tb[-3000:]})
-    finally:
-        torch.cuda.empty_cache()
 
 
 def make_inputs(
@@ -132,20 +120,6 @@ def call(fn: Callable[..., torch.Tensor], inp: dict[str, Any]) -> torch.Tensor:
     )  # fmt: skip
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return math.inf
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def record_check(name: str, errors: dict[str, float], limit: float = 1e-2) -> None:
-    ok = all(e <= limit for e in errors.values())
-    RESULTS["checks"].append({"name": name, "rel_err": errors, "limit": limit, "ok": ok})
-    pretty = ", ".join(f"{k}={v:.2e}" for k, v in errors.items())
-    log(f"check {'OK  ' if ok else 'FAIL'} {name}: {pretty} (limit {limit:.0e})")
-
-
 def costs(T: int, S: int, H: int, P: int, N: int, G: int, chunk: int) -> dict[str, float]:
     """Essential bytes and FLOP (floor), and the bytes this design moves."""
     essential = 2 * T * H * P * 2 + T * H * 2 + 2 * T * G * N * 2 + 2 * S * H * P * N * 4
@@ -163,10 +137,6 @@ def costs(T: int, S: int, H: int, P: int, N: int, G: int, chunk: int) -> dict[st
         "floor_ms": max(essential / COPY_BYTES_PER_S, flops / BF16_FLOP_PER_S) * 1e3,
         "design_mem_ms": design / COPY_BYTES_PER_S * 1e3,
     }
-
-
-def bench_ms(fn: Callable[[], Any]) -> float:
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
 def check_accuracy() -> None:
@@ -327,7 +297,7 @@ def sweep_configs() -> None:
     default = ssd_mod._launch_config
     try:
         for override in SWEEP:
-            if time.perf_counter() - START > TIME_BUDGET_S:
+            if elapsed_s() > TIME_BUDGET_S:
                 log(f"sweep: time budget spent, skipping {override}")
                 continue
             cfg = {**default(inp["x"], 1, H, P, N, override.get("chunk", CHUNK_SIZE))}
@@ -345,28 +315,13 @@ def sweep_configs() -> None:
         ssd_mod._launch_config = default
 
 
-def environment() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        commit = "unknown"
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": commit,
-        "default_config": ssd_mod._launch_config(None, 1, 128, 64, 128, CHUNK_SIZE),
-    }
-
-
 def main() -> None:
     opts = ARGS.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_ssd.py needs a CUDA GPU")
-    RESULTS["env"] = environment()
+    RESULTS["env"] = environment(
+        default_config=ssd_mod._launch_config(None, 1, 128, 64, 128, CHUNK_SIZE)
+    )
     log(json.dumps(RESULTS["env"]))
     global TIME_BUDGET_S, SWEEP
     TIME_BUDGET_S = opts.budget
@@ -379,20 +334,13 @@ def main() -> None:
         compared = functools.partial(time_compared, opts.compare)
         compared.__name__ = "time_compared"
         sections.append(compared)
-    for section in sections:
-        guarded(section)
-        log(f"-- {section.__name__} done at {time.perf_counter() - START:.1f} s")
-    RESULTS["wall_s"] = time.perf_counter() - START
-    log("\n| case | ms | floor ms | x floor | design-mem ms |\n| --- | --- | --- | --- | --- |")
-    for row in RESULTS["timings"]:
-        log(f"| {row['name']} | {row['ms']:.3f} | {row['floor_ms']:.3f} | "
-            f"{row['ms'] / row['floor_ms']:.1f} | {row['design_mem_ms']:.3f} |")  # fmt: skip
-    fails = [c["name"] for c in RESULTS["checks"] if not c["ok"]]
-    log(f"\nchecks: {len(RESULTS['checks']) - len(fails)} ok, failed: {fails}; "
-        f"errors: {len(RESULTS['errors'])}; wall {RESULTS['wall_s']:.1f} s")  # fmt: skip
-    with open(opts.out, "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
-    log(f"wrote {opts.out}")
+    run_sections(sections)
+    finish(
+        opts.out,
+        ["case", "ms", "floor ms", "x floor", "design-mem ms"],
+        lambda r: [r["name"], f"{r['ms']:.3f}", f"{r['floor_ms']:.3f}",
+                   f"{r['ms'] / r['floor_ms']:.1f}", f"{r['design_mem_ms']:.3f}"],
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

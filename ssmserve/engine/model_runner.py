@@ -53,12 +53,14 @@ class ModelRunner:
         flat_tables = [b for t in tables for b in t + [0] * (width - len(t))]
         # One host-to-device copy for every index array of the step, sliced on the device:
         # a dozen small copies would cost more than the decode step's kernels.
+        prefill_starts = [chunk.start for chunk in chunks[num_decodes:]]
         parts = [input_ids, positions, slot_mapping, qsl, seq_lens, state_slots,
-                 [int(h) for h in has_init], logits_rows, flat_tables]
+                 [int(h) for h in has_init], logits_rows, flat_tables, prefill_starts]
         packed = torch.tensor([v for part in parts for v in part], dtype=torch.long)
         packed = packed.to(self.device, non_blocking=True)
         views = packed.split([len(part) for part in parts])
-        (ids_t, pos_t, slots_t, qsl_t, lens_t, state_t, init_t, rows_t, tables_t) = views
+        (ids_t, pos_t, slots_t, qsl_t, lens_t, state_t, init_t, rows_t, tables_t,
+         starts_t) = views
         qsl_t = qsl_t.to(torch.int32)
         return ForwardBatch(
             input_ids=ids_t,
@@ -72,6 +74,7 @@ class ModelRunner:
             logits_indices=rows_t,
             num_decodes=num_decodes,
             query_start_loc_p=qsl_t[num_decodes:] - qsl[num_decodes],
+            start_positions_p=starts_t,
             query_start_loc_host=tuple(qsl),
             context_lens_host=tuple(chunk.start for chunk in chunks),
         )

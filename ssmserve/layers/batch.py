@@ -26,6 +26,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [K] int64, rows whose logits are wanted
     num_decodes: int  # leading sequences with one token and an initial state
     query_start_loc_p: torch.Tensor  # [S-num_decodes+1] int32, prefill part, rebased to 0
+    # [S-num_decodes] absolute position of each prefill sequence's first new token (SSD
+    # chunks align to it); None when every prefill starts at position 0.
+    start_positions_p: torch.Tensor | None = None
     # Host copies, for choices made on the host (never under CUDA graphs, where they are
     # empty): token offsets of each sequence and the tokens each had computed before.
     query_start_loc_host: tuple[int, ...] = ()

@@ -131,9 +131,8 @@ class Mamba2Mixer(nn.Module):
                     dt_softplus=True,
                     dt_limit=self.time_step_limit,
                     chunk_size=self.chunk_size,
-                    # Absolute position of each sequence's first new token: chunks stay
-                    # aligned however a prompt was split across steps.
-                    start_positions=batch.positions[nd:][cu[:-1]],
+                    # Chunks stay aligned however a prompt was split across steps.
+                    start_positions=batch.start_positions_p,
                 ).reshape(num_prefill_tokens, I)
             )
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
