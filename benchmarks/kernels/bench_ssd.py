@@ -295,6 +295,7 @@ def sweep_configs() -> None:
     name, H, P, N, G = MODELS[0]
     inp = make_inputs([32768], H, P, N, G, True)
     default = ssd_mod._launch_config
+    y_default = call(ssd_mod.ssd_scan_varlen_triton, {**inp, "ssm_state": inp["ssm_state"].clone()})
     try:
         for override in SWEEP:
             if elapsed_s() > TIME_BUDGET_S:
@@ -304,6 +305,12 @@ def sweep_configs() -> None:
             cfg.update(override)
             ssd_mod._launch_config = lambda *a, cfg=cfg, **k: cfg
             try:
+                y = call(
+                    ssd_mod.ssd_scan_varlen_triton, {**inp, "ssm_state": inp["ssm_state"].clone()}
+                )
+                record_check(
+                    f"sweep {json.dumps(override)} == default", {"y": rel_err(y, y_default)}
+                )
                 ms = bench_ms(lambda: call(ssd_mod.ssd_scan_varlen_triton, inp))
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
                 log(f"sweep {cfg}: failed: {str(exc)[:300]}")
