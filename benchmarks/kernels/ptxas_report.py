@@ -67,9 +67,7 @@ def scan_kernel_report(dtype: str, cfg: dict) -> str:
     ]
     sig: dict[str, str] = {}
     for name in names:
-        if name.startswith(
-            ("HAS_", "BLOCK", "CHUNK", "DOT_", "STATE_D", "STATE_P", "HEADS", "ROW_", "P_BLOCKS")
-        ):
+        if name.startswith(("HAS_", "BLOCK", "CHUNK", "DOT_", "STATE_D", "STATE_P")):
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             if name in ("x_ptr", "B_ptr", "C_ptr", "z_ptr", "y_ptr", "cb_ptr"):
@@ -92,8 +90,7 @@ def scan_kernel_report(dtype: str, cfg: dict) -> str:
     constexprs = {
         "HAS_D": True, "HAS_Z": cfg.get("has_z", False), "CHUNK": cfg["chunk"],
         "BLOCK": cfg["block"], "BLOCK_T": cfg["block_t"], "BLOCK_P": cfg["block_p"],
-        "P_BLOCKS": 64 // cfg["block_p"], "BLOCK_N": 128, "HEADS": cfg["heads"],
-        "ROW_STAGES": cfg["row_stages"],
+        "P_BLOCKS": 64 // cfg["block_p"], "BLOCK_N": 128,
         "DOT_DTYPE": tl_dtype[dots[0]], "DOT_PRECISION": dots[1],
         "STATE_DOT_DTYPE": tl_dtype[dots[2]], "STATE_PRECISION": dots[3],
     }  # fmt: skip

@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from ssmserve.kernels._common import (
-    HAS_TRITON,
     check_shape,
     check_varlen,
     interpret_mode,
@@ -191,15 +190,14 @@ def ssd_scan_varlen_ref(
 #      (chunks align to absolute positions, so a sequence resumed mid-chunk starts with a
 #      shortened chunk; an empty sequence owns one empty chunk), processed dt and its
 #      chunk-local cumsum of dt*A.
-#   2. _ssd_chunk_cb_kernel: the diagonal BLOCK x BLOCK tiles of C B^T per (chunk,
-#      group), shared by the group's heads.
+#   2. _ssd_chunk_cb_kernel: the BLOCK x BLOCK tiles of C B^T on and below the diagonal
+#      per (chunk, group), shared by the group's heads.
 #   3. _ssd_chunk_scan_kernel: one program per (chunk, head, block of P) does the rest:
 #      the chunk's own end-state contribution (all chunks in parallel), then the one
 #      sequential step S_out = exp(sum dA) S_in + contribution, chained from the previous
 #      chunk's program through a flag per (head, P block) (a "chained scan": only this
-#      step waits), then the chunk's outputs BLOCK rows at a time from the state entering
-#      each row block (carried through the chunk) and the diagonal tile, + D x, gated by
-#      silu(z).
+#      step waits), then the chunk's outputs BLOCK rows at a time from the entering state
+#      and the C.B^T tiles of the row block, + D x, gated by silu(z).
 # Chained states never leave L2: they go through a two-deep ring per head. Programs take
 # their (chunk, head) from an atomic ticket in chunk-major order, so every program a
 # program waits on has started before it (no deadlock whatever order the GPU launches
@@ -284,161 +282,38 @@ def _ssd_chunk_cb_kernel(
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # The diagonal BLOCK x BLOCK tiles of C B^T per (chunk, group), shared by the group's
-    # heads; stored as [chunk, group, CHUNK // BLOCK, BLOCK, BLOCK].
-    row_block = tl.program_id(0)
+    # The BLOCK x BLOCK tiles (m, j), j <= m, of C B^T per (chunk, group), shared by the
+    # group's heads; stored as [chunk, group, CHUNK // BLOCK (m), CHUNK // BLOCK (j),
+    # BLOCK, BLOCK] (tiles above the diagonal are never written nor read).
+    ROWS: tl.constexpr = CHUNK // BLOCK
+    m = tl.program_id(0) // ROWS
+    j = tl.program_id(0) % ROWS
     chunk = tl.program_id(1).to(tl.int64)
     group = tl.program_id(2)
     num_groups = tl.num_programs(2)
     length = tl.load(chunk_len_ptr + chunk)
-    if row_block * BLOCK < length:
+    if (j <= m) & (m * BLOCK < length):
         t0 = tl.load(chunk_start_ptr + chunk).to(tl.int64)
-        offs_m = row_block * BLOCK + tl.arange(0, BLOCK)
+        offs_m = m * BLOCK + tl.arange(0, BLOCK)
+        offs_j = j * BLOCK + tl.arange(0, BLOCK)
         offs_n = tl.arange(0, BLOCK_N)
-        mask_m = offs_m < length
         mask_n = offs_n < N
         c = tl.load(
             C_ptr + (t0 + offs_m)[:, None] * stride_c_t + group * stride_c_g
             + offs_n[None, :] * stride_c_n,
-            mask=mask_m[:, None] & mask_n[None, :], other=0.0,
+            mask=(offs_m < length)[:, None] & mask_n[None, :], other=0.0,
         )  # fmt: skip
         bT = tl.load(
-            B_ptr + (t0 + offs_m)[None, :] * stride_b_t + group * stride_b_g
+            B_ptr + (t0 + offs_j)[None, :] * stride_b_t + group * stride_b_g
             + offs_n[:, None] * stride_b_n,
-            mask=mask_m[None, :] & mask_n[:, None], other=0.0,
+            mask=(offs_j < length)[None, :] & mask_n[:, None], other=0.0,
         )  # fmt: skip
         cb = tl.dot(c.to(DOT_DTYPE), bT.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         offs = tl.arange(0, BLOCK)
-        out = (chunk * num_groups + group) * CHUNK * BLOCK + row_block * BLOCK * BLOCK
+        out = (((chunk * num_groups + group) * ROWS + m) * ROWS + j) * BLOCK * BLOCK
         tl.store(
             cb_ptr + out + offs[:, None] * BLOCK + offs[None, :], cb.to(cb_ptr.dtype.element_ty)
         )
-
-
-def _per_head_cols(
-    cum_ptr, dt_ptr, base0, offs, ref_index, ref_valid, col_head,
-    SIGN: tl.constexpr, WITH_DT: tl.constexpr,
-    CHUNK: tl.constexpr, HEADS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-):  # fmt: skip
-    """[ROWS, COLS] factors exp(SIGN * (ref - cum[offs])) (* dt[offs] if WITH_DT) of each
-    column's head, ref = cum[ref_index] if ref_valid else 0: computed per head (one exp
-    per row and head), then spread over the head's columns."""
-    out = tl.zeros((ROWS, COLS), dtype=tl.float32)
-    for hh in tl.static_range(HEADS):
-        hbase = base0 + hh * CHUNK
-        ref = tl.load(cum_ptr + hbase + ref_index, mask=ref_valid, other=0.0)
-        w = tl.exp(SIGN * (ref - tl.load(cum_ptr + hbase + offs)))
-        if WITH_DT:
-            w *= tl.load(dt_ptr + hbase + offs)
-        if HEADS == 1:
-            out = tl.broadcast_to(w[:, None], (ROWS, COLS))
-        else:
-            out = tl.where(col_head[None, :] == hh, w[:, None], out)
-    return out
-
-
-def _ssd_row_block(
-    x_cols, C_ptr, B_ptr, z_ptr, D_ptr, y_ptr, cb_ptr, dt_ptr, cum_ptr,
-    state, m0, t0, length, chunk, H, head0, group, cb_base,
-    head_c, offs_p, mask_c, col_head, offs_n, mask_n,
-    stride_x_t, stride_b_t, stride_b_g, stride_b_n,
-    stride_c_t, stride_c_g, stride_c_n, stride_z_t, stride_z_h, stride_z_p,
-    stride_y_t, stride_y_h, stride_y_p,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, CARRY: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STATE_DOT_DTYPE: tl.constexpr, STATE_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Outputs of rows m0..m0+BLOCK of a chunk; returns the state entering the next block.
-
-    With ref = cum at m0 - 1 (0 for the first block), the state entering the block,
-    S = exp(ref) S_in + sum_{j < m0} exp(ref - cum_j) dt_j outer(B_j, x_j), carries
-    everything left of the diagonal block: y_i = exp(cum_i - ref) C_i S + (diagonal
-    block), and the next block's state is exp(ref' - ref) S + [N, BLOCK] x [BLOCK, cols].
-    Every exponent is <= 0 (cum is non-increasing), and only the diagonal block needs the
-    element-wise causal decay. The diagonal blocks of all HEADS heads are one dot: scores
-    [BLOCK, HEADS * BLOCK] (head-major columns) times x laid out block-diagonally
-    [HEADS * BLOCK, columns] (zero where the heads differ).
-    """
-    base0 = (chunk * H + head0) * CHUNK
-    offs_m = m0 + tl.arange(0, BLOCK)
-    mask_m = offs_m < length
-    mask_mc = mask_m[:, None] & mask_c[None, :]
-    t_m = t0 + offs_m
-    c = tl.load(
-        C_ptr + t_m[:, None] * stride_c_t + group * stride_c_g + offs_n[None, :] * stride_c_n,
-        mask=mask_m[:, None] & mask_n[None, :], other=0.0,
-    )  # fmt: skip
-    x_m = tl.load(x_cols[None, :] + t_m[:, None] * stride_x_t, mask=mask_mc, other=0.0)
-    acc = tl.dot(c.to(STATE_DOT_DTYPE), state.to(STATE_DOT_DTYPE), input_precision=STATE_PRECISION)
-    ref_index = tl.maximum(m0 - 1, 0)
-    acc *= _per_head_cols(cum_ptr, dt_ptr, base0, offs_m, ref_index, m0 > 0, col_head, -1.0,
-                          False, CHUNK, HEADS, BLOCK, BLOCK_C)  # fmt: skip
-    # The diagonal block: -inf above the diagonal before exp (cum_i - cum_j > 0 there and
-    # may overflow). Column q of scores: head q // BLOCK, token m0 + q % BLOCK.
-    offs_q = tl.arange(0, HEADS * BLOCK)
-    q_head = offs_q // BLOCK
-    q_tok = m0 + offs_q % BLOCK
-    cum_q = tl.load(cum_ptr + base0 + q_head * CHUNK + q_tok)
-    dt_q = tl.load(dt_ptr + base0 + q_head * CHUNK + q_tok)
-    if HEADS == 1:
-        cum_iq = tl.load(cum_ptr + base0 + offs_m)[:, None]
-    else:
-        cum_iq = tl.zeros((BLOCK, HEADS * BLOCK), dtype=tl.float32)
-        for hh in tl.static_range(HEADS):
-            cum_h = tl.load(cum_ptr + base0 + hh * CHUNK + offs_m)
-            cum_iq = tl.where(q_head[None, :] == hh, cum_h[:, None], cum_iq)
-    cb = tl.load(cb_ptr + cb_base + offs_m[:, None] * BLOCK + (offs_q % BLOCK)[None, :])
-    causal = offs_m[:, None] >= q_tok[None, :]
-    decay = tl.exp(tl.where(causal, cum_iq - cum_q[None, :], -float("inf")))
-    scores = tl.where(causal, cb.to(tl.float32) * decay, 0.0) * dt_q[None, :]
-    if HEADS == 1:
-        x_diag = x_m
-    else:
-        x_diag = tl.load(
-            x_cols[None, :] + (t0 + q_tok)[:, None] * stride_x_t,
-            mask=(q_tok < length)[:, None] & mask_c[None, :]
-            & (q_head[:, None] == col_head[None, :]),
-            other=0.0,
-        )  # fmt: skip
-    acc += tl.dot(scores.to(DOT_DTYPE), x_diag.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-    if HAS_D:
-        acc += tl.load(D_ptr + head_c).to(tl.float32)[None, :] * x_m.to(tl.float32)
-    if HAS_Z:
-        z = tl.load(
-            z_ptr + t_m[:, None] * stride_z_t + head_c[None, :] * stride_z_h
-            + offs_p[None, :] * stride_z_p,
-            mask=mask_mc, other=0.0,
-        ).to(tl.float32)  # fmt: skip
-        acc *= z / (1.0 + tl.exp(-z))
-    tl.store(
-        y_ptr + t_m[:, None] * stride_y_t + head_c[None, :] * stride_y_h
-        + offs_p[None, :] * stride_y_p,
-        acc.to(y_ptr.dtype.element_ty), mask=mask_mc,
-    )  # fmt: skip
-    if CARRY:
-        # The state entering the next block (ref' = cum at m0 + BLOCK - 1).
-        ref_next = m0 + BLOCK - 1
-        weight = _per_head_cols(cum_ptr, dt_ptr, base0, offs_m, ref_next, True, col_head, 1.0,
-                                True, CHUNK, HEADS, BLOCK, BLOCK_C)  # fmt: skip
-        step = tl.exp(tl.load(cum_ptr + base0 + col_head * CHUNK + ref_next)
-                      - tl.load(cum_ptr + base0 + col_head * CHUNK + ref_index,
-                                mask=m0 > 0, other=0.0))  # fmt: skip
-        bT = tl.load(
-            B_ptr + t_m[None, :] * stride_b_t + group * stride_b_g + offs_n[:, None] * stride_b_n,
-            mask=mask_m[None, :] & mask_n[:, None], other=0.0,
-        )  # fmt: skip
-        state = state * step[None, :] + tl.dot(
-            bT.to(DOT_DTYPE), (x_m.to(tl.float32) * weight).to(DOT_DTYPE),
-            input_precision=DOT_PRECISION,
-        )  # fmt: skip
-    return state
-
-
-if HAS_TRITON:
-    # NOTE: JITFunctions whatever TRITON_INTERPRET says (as in selective_scan.py).
-    _per_head_cols = triton.runtime.jit.JITFunction(_per_head_cols)
-    _ssd_row_block = triton.runtime.jit.JITFunction(_ssd_row_block)
 
 
 @lazy_jit
@@ -455,60 +330,43 @@ def _ssd_chunk_scan_kernel(
     stride_s_slot, stride_s_h, stride_s_p, stride_s_n,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_P: tl.constexpr, P_BLOCKS: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr, P_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     STATE_DOT_DTYPE: tl.constexpr, STATE_PRECISION: tl.constexpr,
-    ROW_STAGES: tl.constexpr,
 ):  # fmt: skip
-    # One program per (chunk, HEADS heads, block of P). Its columns are the HEADS heads
-    # side by side (column c: head head0 + c // BLOCK_P, P index c % BLOCK_P; HEADS > 1
-    # only when one P block covers P and the heads share a group), so the heads share
-    # every C, B and C.B^T tile the program loads, and the dots are HEADS times wider.
-    # States are kept as [N, columns] (the C.S dot operand as it is, and the
-    # contribution's dot has N as its 128-row M side).
+    # One program per (chunk, head, block of P): states are kept as [N, P] (the C.S dot
+    # operand as it is, and the contribution's dot has N as its 128-row M side).
     ticket = tl.atomic_add(ticket_ptr, 1)
-    num_lanes = (H // HEADS) * P_BLOCKS
-    chunk = (ticket // num_lanes).to(tl.int64)
-    lane = ticket % num_lanes  # index of this (heads, P block) chain
-    head0 = (lane // P_BLOCKS) * HEADS
+    chunk = (ticket // (H * P_BLOCKS)).to(tl.int64)
+    lane = ticket % (H * P_BLOCKS)  # index of this (head, P block) chain
+    head = lane // P_BLOCKS
     seq = tl.load(chunk_seq_ptr + chunk)
     if seq >= 0:
-        BLOCK_C: tl.constexpr = HEADS * BLOCK_P
-        group = head0 // heads_per_group
+        group = head // heads_per_group
         length = tl.load(chunk_len_ptr + chunk)
         t0 = tl.load(chunk_start_ptr + chunk).to(tl.int64)
-        offs_c = tl.arange(0, BLOCK_C)
-        col_head = offs_c // BLOCK_P  # 0..HEADS-1
-        head_c = head0 + col_head
-        offs_p = (lane % P_BLOCKS) * BLOCK_P + offs_c % BLOCK_P
+        base = (chunk * H + head) * CHUNK
+        total = tl.load(cum_buf_ptr + base + CHUNK - 1)
+        offs_p = (lane % P_BLOCKS) * BLOCK_P + tl.arange(0, BLOCK_P)
         offs_n = tl.arange(0, BLOCK_N)
-        mask_c = offs_p < P
+        mask_p = offs_p < P
         mask_n = offs_n < N
-        # Offsets into the [chunk id, head, CHUNK] dt / cum buffers, per column and per
-        # head of this program.
-        base_c = (chunk * H + head_c) * CHUNK
-        base0 = (chunk * H + head0) * CHUNK
-        total_c = tl.load(cum_buf_ptr + base_c + CHUNK - 1)
-        x_cols = x_ptr + head_c * stride_x_h + offs_p * stride_x_p
+        x_head = x_ptr + head * stride_x_h + offs_p[None, :] * stride_x_p
 
         # 1. The chunk's contribution to its end state, from a zero state:
-        #    sum_j exp(total - cum_j) dt_j outer(B_j, x_j), an [N, T] x [T, columns] dot per
-        #    block.
-        contrib = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
+        #    sum_j exp(total - cum_j) dt_j outer(B_j, x_j), an [N, T] x [T, P] dot per block.
+        contrib = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
         # NOTE: a constexpr trip count (masked past the end) keeps the dots pipelined.
         for k0 in range(0, CHUNK, BLOCK_T):
             offs_k = k0 + tl.arange(0, BLOCK_T)
             mask_k = offs_k < length
             t = t0 + offs_k
             # cum is non-increasing (A < 0, dt >= 0), so total - cum <= 0: no overflow.
-            weight = _per_head_cols(
-                cum_buf_ptr, dt_buf_ptr, base0, offs_k, CHUNK - 1, True, col_head, 1.0, True,
-                CHUNK, HEADS, BLOCK_T, BLOCK_C,
-            )  # fmt: skip
+            weight = tl.exp(total - tl.load(cum_buf_ptr + base + offs_k))
+            weight *= tl.load(dt_buf_ptr + base + offs_k)
             # Scale x (the smaller operand): B goes from memory to the dot as it is.
             x_k = tl.load(
-                x_cols[None, :] + t[:, None] * stride_x_t,
-                mask=mask_k[:, None] & mask_c[None, :], other=0.0,
+                x_head + t[:, None] * stride_x_t, mask=mask_k[:, None] & mask_p[None, :], other=0.0
             ).to(tl.float32)  # fmt: skip
             bT = tl.load(
                 B_ptr + t[None, :] * stride_b_t + group * stride_b_g
@@ -516,7 +374,8 @@ def _ssd_chunk_scan_kernel(
                 mask=mask_k[None, :] & mask_n[:, None], other=0.0,
             )  # fmt: skip
             contrib += tl.dot(
-                bT.to(DOT_DTYPE), (x_k * weight).to(DOT_DTYPE), input_precision=DOT_PRECISION
+                bT.to(DOT_DTYPE), (x_k * weight[:, None]).to(DOT_DTYPE),
+                input_precision=DOT_PRECISION,
             )  # fmt: skip
 
         # 2. The chained step. Wait until the previous chunk id (of any sequence: the ring
@@ -527,38 +386,37 @@ def _ssd_chunk_scan_kernel(
                 seen = tl.atomic_add(published_ptr + lane, 0, sem="acquire")
         first = tl.load(seq_first_chunk_ptr + seq).to(tl.int64)
         last = tl.load(seq_first_chunk_ptr + seq + 1).to(tl.int64)
-        ring_lane = ring_ptr + lane * BLOCK_N * BLOCK_C
-        slot = tl.load(state_slots_ptr + seq).to(tl.int64)
+        ring_lane = ring_ptr + lane * BLOCK_N * BLOCK_P
+        slot_head = state_ptr + tl.load(state_slots_ptr + seq).to(tl.int64) * stride_s_slot
+        slot_head += head * stride_s_h
         # NOTE: pointer tensors are formed inside each branch, next to their one use: a
         # state-sized tensor of 64-bit pointers live across the branches costs registers
         # by the hundred and made the kernel spill.
         if chunk == first:
             has_init = tl.load(has_init_ptr + seq) != 0
             state_in = tl.load(
-                state_ptr + slot * stride_s_slot + head_c[None, :] * stride_s_h
-                + offs_n[:, None] * stride_s_n + offs_p[None, :] * stride_s_p,
-                mask=mask_n[:, None] & mask_c[None, :] & has_init, other=0.0,
+                slot_head + offs_n[:, None] * stride_s_n + offs_p[None, :] * stride_s_p,
+                mask=mask_n[:, None] & mask_p[None, :] & has_init, other=0.0,
             ).to(tl.float32)  # fmt: skip
         else:
             # .cg: read L2, where the previous program wrote, never a stale L1 line.
             state_in = tl.load(
-                ring_lane + ((chunk - 1) % 2) * (num_lanes * BLOCK_N * BLOCK_C)
-                + offs_n[:, None] * BLOCK_C + offs_c[None, :],
+                ring_lane + ((chunk - 1) % 2) * (H * P_BLOCKS * BLOCK_N * BLOCK_P)
+                + offs_n[:, None] * BLOCK_P + tl.arange(0, BLOCK_P)[None, :],
                 cache_modifier=".cg",
             )  # fmt: skip
-        state_out = state_in * tl.exp(total_c)[None, :] + contrib
+        state_out = state_in * tl.exp(total) + contrib
         if chunk + 1 == last:
             tl.store(
-                state_ptr + slot * stride_s_slot + head_c[None, :] * stride_s_h
-                + offs_n[:, None] * stride_s_n + offs_p[None, :] * stride_s_p,
-                state_out.to(state_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_c[None, :],
+                slot_head + offs_n[:, None] * stride_s_n + offs_p[None, :] * stride_s_p,
+                state_out.to(state_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_p[None, :],
             )  # fmt: skip
         else:
             # NOTE: safe to overwrite: the ring entry chunk - 2 wrote was read by chunk - 1
             # before it published, and we saw that publish above.
             tl.store(
-                ring_lane + (chunk % 2) * (num_lanes * BLOCK_N * BLOCK_C)
-                + offs_n[:, None] * BLOCK_C + offs_c[None, :],
+                ring_lane + (chunk % 2) * (H * P_BLOCKS * BLOCK_N * BLOCK_P)
+                + offs_n[:, None] * BLOCK_P + tl.arange(0, BLOCK_P)[None, :],
                 state_out,
             )  # fmt: skip
         # Release: every thread's stores above are visible before the flag says so (the
@@ -566,49 +424,76 @@ def _ssd_chunk_scan_kernel(
         tl.debug_barrier()
         tl.atomic_xchg(published_ptr + lane, (chunk + 1).to(tl.int32), sem="release")
 
-        # 3. Outputs, BLOCK rows at a time (_ssd_row_block), carrying the state entering
-        #    each row block through the chunk.
-        state = state_in
-        cb_base = (chunk * (H // heads_per_group) + group) * CHUNK * BLOCK
-        if ROW_STAGES > 0:
-            # A runtime loop the compiler software-pipelines (the next row block's tiles
-            # load while this one computes), then the last row block without the carry.
-            last_m0 = tl.maximum(tl.cdiv(length, BLOCK) - 1, 0) * BLOCK  # 0 if empty
-            for m0 in tl.range(0, last_m0, BLOCK, num_stages=ROW_STAGES):
-                state = _ssd_row_block(
-                    x_cols, C_ptr, B_ptr, z_ptr, D_ptr, y_ptr, cb_ptr, dt_buf_ptr, cum_buf_ptr,
-                    state, m0, t0, length, chunk, H, head0, group, cb_base,
-                    head_c, offs_p, mask_c, col_head, offs_n, mask_n,
-                    stride_x_t, stride_b_t, stride_b_g, stride_b_n,
-                    stride_c_t, stride_c_g, stride_c_n, stride_z_t, stride_z_h, stride_z_p,
-                    stride_y_t, stride_y_h, stride_y_p,
-                    HAS_D, HAS_Z, True, CHUNK, BLOCK, HEADS, BLOCK_C, BLOCK_N,
-                    DOT_DTYPE, DOT_PRECISION, STATE_DOT_DTYPE, STATE_PRECISION,
-                )  # fmt: skip
-            _ssd_row_block(
-                x_cols, C_ptr, B_ptr, z_ptr, D_ptr, y_ptr, cb_ptr, dt_buf_ptr, cum_buf_ptr,
-                    state, last_m0, t0, length, chunk, H, head0, group, cb_base,
-                head_c, offs_p, mask_c, col_head, offs_n, mask_n,
-                stride_x_t, stride_b_t, stride_b_g, stride_b_n,
-                stride_c_t, stride_c_g, stride_c_n, stride_z_t, stride_z_h, stride_z_p,
-                stride_y_t, stride_y_h, stride_y_p,
-                HAS_D, HAS_Z, False, CHUNK, BLOCK, HEADS, BLOCK_C, BLOCK_N,
-                DOT_DTYPE, DOT_PRECISION, STATE_DOT_DTYPE, STATE_PRECISION,
+        # 3. Outputs, BLOCK rows at a time, each from the entering state and the chunk's
+        #    tokens up to it; nothing is carried from row block to row block but the
+        #    entering state as a 16-bit dot operand. Runtime loops (not unrolled) and no
+        #    float32 state live here keep the registers low enough for 16 warps per SM,
+        #    which is what this latency-bound kernel needs most (docs/kernels_notes.md).
+        #    With ref = cum at m0 - 1, the tokens of an earlier row block j enter as
+        #    exp(cum_i - ref) * [C.B^T tile (m, j)] x [exp(ref - cum_j) dt_j x_j]: every
+        #    exponent is <= 0 (cum is non-increasing), and only the diagonal tile needs the
+        #    element-wise causal decay.
+        state_op = state_in.to(STATE_DOT_DTYPE)
+        ROWS: tl.constexpr = CHUNK // BLOCK
+        cb_base = (chunk * (H // heads_per_group) + group) * ROWS * ROWS * BLOCK * BLOCK
+        offs_b = tl.arange(0, BLOCK)
+        tile = offs_b[:, None] * BLOCK + offs_b[None, :]
+        for m0 in range(0, length, BLOCK):
+            offs_m = m0 + offs_b
+            mask_m = offs_m < length
+            mask_mp = mask_m[:, None] & mask_p[None, :]
+            t_m = t0 + offs_m
+            cum_m = tl.load(cum_buf_ptr + base + offs_m)
+            c = tl.load(
+                C_ptr + t_m[:, None] * stride_c_t + group * stride_c_g
+                + offs_n[None, :] * stride_c_n,
+                mask=mask_m[:, None] & mask_n[None, :], other=0.0,
             )  # fmt: skip
-        else:
-            # Unrolled: no runtime loop, so nothing keeps tiles of several iterations live.
-            for m0 in tl.static_range(0, CHUNK, BLOCK):
-                if m0 < length:
-                    state = _ssd_row_block(
-                        x_cols, C_ptr, B_ptr, z_ptr, D_ptr, y_ptr, cb_ptr, dt_buf_ptr, cum_buf_ptr,
-                    state, m0, t0, length, chunk, H, head0, group, cb_base,
-                        head_c, offs_p, mask_c, col_head, offs_n, mask_n,
-                        stride_x_t, stride_b_t, stride_b_g, stride_b_n,
-                        stride_c_t, stride_c_g, stride_c_n, stride_z_t, stride_z_h, stride_z_p,
-                        stride_y_t, stride_y_h, stride_y_p,
-                        HAS_D, HAS_Z, m0 + BLOCK < CHUNK, CHUNK, BLOCK, HEADS, BLOCK_C,
-                        BLOCK_N, DOT_DTYPE, DOT_PRECISION, STATE_DOT_DTYPE, STATE_PRECISION,
+            acc = tl.dot(c.to(STATE_DOT_DTYPE), state_op, input_precision=STATE_PRECISION)
+            acc *= tl.exp(cum_m)[:, None]
+            if m0 > 0:
+                ref = tl.load(cum_buf_ptr + base + m0 - 1)
+                off = tl.zeros((BLOCK, BLOCK_P), dtype=tl.float32)
+                for j0 in range(0, m0, BLOCK):
+                    offs_j = j0 + offs_b  # all < length: j0 + BLOCK <= m0 < length
+                    w = tl.exp(ref - tl.load(cum_buf_ptr + base + offs_j))
+                    w *= tl.load(dt_buf_ptr + base + offs_j)
+                    x_j = tl.load(
+                        x_head + (t0 + offs_j)[:, None] * stride_x_t,
+                        mask=mask_p[None, :], other=0.0,
+                    ).to(tl.float32)  # fmt: skip
+                    cb = tl.load(cb_ptr + cb_base + ((m0 // BLOCK) * ROWS + j0 // BLOCK)
+                                 * BLOCK * BLOCK + tile)  # fmt: skip
+                    off += tl.dot(
+                        cb.to(DOT_DTYPE), (x_j * w[:, None]).to(DOT_DTYPE),
+                        input_precision=DOT_PRECISION,
                     )  # fmt: skip
+                acc += off * tl.exp(cum_m - ref)[:, None]
+            # The diagonal tile: -inf above the diagonal before exp (cum_i - cum_j > 0
+            # there and may overflow).
+            dt_m = tl.load(dt_buf_ptr + base + offs_m)
+            x_m = tl.load(x_head + t_m[:, None] * stride_x_t, mask=mask_mp, other=0.0)
+            cb = tl.load(cb_ptr + cb_base + (m0 // BLOCK) * (ROWS + 1) * BLOCK * BLOCK + tile)
+            causal = offs_m[:, None] >= offs_m[None, :]
+            decay = tl.exp(tl.where(causal, cum_m[:, None] - cum_m[None, :], -float("inf")))
+            scores = tl.where(causal, cb.to(tl.float32) * decay, 0.0) * dt_m[None, :]
+            acc += tl.dot(
+                scores.to(DOT_DTYPE), x_m.to(DOT_DTYPE), input_precision=DOT_PRECISION
+            )  # fmt: skip
+            if HAS_D:
+                acc += tl.load(D_ptr + head).to(tl.float32) * x_m.to(tl.float32)
+            if HAS_Z:
+                z = tl.load(
+                    z_ptr + t_m[:, None] * stride_z_t + head * stride_z_h
+                    + offs_p[None, :] * stride_z_p,
+                    mask=mask_mp, other=0.0,
+                ).to(tl.float32)  # fmt: skip
+                acc *= z / (1.0 + tl.exp(-z))
+            tl.store(
+                y_ptr + t_m[:, None] * stride_y_t + head * stride_y_h
+                + offs_p[None, :] * stride_y_p,
+                acc.to(y_ptr.dtype.element_ty), mask=mask_mp,
+            )  # fmt: skip
 
 
 def _launch_config(
@@ -623,19 +508,25 @@ def _launch_config(
     block_t: tokens per dot of the end-state contribution.
     block_p: head-dim columns per program (a power of two >= 16; the head dim is split
         into cdiv(P, block_p) independent chains).
+    num_warps, num_stages, maxnreg: Triton launch options (maxnreg caps registers per
+        thread, so that more programs fit on an SM).
     """
     chunk = max(16, min(256, prev_pow2(chunk_size)))
-    return {
+    cfg = {
         "chunk": chunk,
         "block": min(64, chunk),
         "block_t": min(64, chunk),
         "block_p": 64,
-        "heads": 1,
-        "row_stages": 0,
         "num_warps": 4,
-        # 1.81 ms at 32k (Bamba-9B dims, H200) against 1.84-1.87 with 2 or 3 stages.
         "num_stages": 1,
     }
+    if x is None or x.dtype != torch.float32:
+        # 16-bit inputs (H200, 32k tokens, Bamba-9B dims): 8 warps held to 128 registers
+        # (two programs, 16 warps per SM) 1.64 ms; 4 warps unbounded (254 registers, 8
+        # warps per SM) 1.81; 8 warps at 96 / 112 registers 1.72 / 1.67. float32 inputs
+        # keep 4 warps: their IEEE dots would spill at 128.
+        cfg.update(num_warps=8, maxnreg=128)
+    return cfg
 
 
 def _dot_config(dtype: torch.dtype) -> dict[str, Any]:
@@ -742,9 +633,6 @@ def ssd_scan_varlen_triton(
     chunk, block, block_t = cfg["chunk"], cfg["block"], cfg["block_t"]
     block_p = max(16, min(cfg["block_p"], next_pow2(P)))
     p_blocks = triton.cdiv(P, block_p)
-    # Heads side by side in one program only when they share a group and P is one block.
-    heads = cfg["heads"] if p_blocks == 1 and (H // G) % cfg["heads"] == 0 else 1
-    num_lanes = H // heads * p_blocks
     block_n = max(16, next_pow2(N))
     layout = _chunk_layout(dt, A, dt_bias, cu_seqlens, start_positions, chunk,
                            dt_softplus, dt_limit)  # fmt: skip
@@ -753,20 +641,21 @@ def ssd_scan_varlen_triton(
     chunk_seq, seq_first_chunk = layout["chunk_seq"], layout["seq_first_chunk"]
     dt_buf, cum_buf = layout["dt"], layout["cum"]
     dev = x.device
-    cb = torch.empty(num_chunk_ids, G, chunk // block, block, block, dtype=x.dtype, device=dev)
-    ring = torch.empty(2, num_lanes, block_n, heads * block_p, dtype=torch.float32, device=dev)
-    # [ticket, published per chain]: the only buffer that must start at zero.
-    counters = torch.zeros(1 + num_lanes, dtype=torch.int32, device=dev)
+    rows = chunk // block
+    cb = torch.empty(num_chunk_ids, G, rows, rows, block, block, dtype=x.dtype, device=dev)
+    ring = torch.empty(2, H * p_blocks, block_n, block_p, dtype=torch.float32, device=dev)
+    # [ticket, published per (head, P block)]: the only buffer that must start at zero.
+    counters = torch.zeros(1 + H * p_blocks, dtype=torch.int32, device=dev)
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     if cfg.get("maxnreg"):
         launch["maxnreg"] = cfg["maxnreg"]
-    _ssd_chunk_cb_kernel[(chunk // block, num_chunk_ids, G)](
+    _ssd_chunk_cb_kernel[(rows * rows, num_chunk_ids, G)](
         B, C, cb, chunk_start, chunk_len, N, *B.stride(), *C.stride(),
         CHUNK=chunk, BLOCK=block, BLOCK_N=block_n,
         DOT_DTYPE=dots["dot"], DOT_PRECISION=dots["precision"], **launch,
     )  # fmt: skip
     z_strides = z.stride() if z is not None else (0, 0, 0)
-    _ssd_chunk_scan_kernel[(num_chunk_ids * num_lanes,)](
+    _ssd_chunk_scan_kernel[(num_chunk_ids * H * p_blocks,)](
         x, B, C, z, D, y, cb, dt_buf, cum_buf,
         chunk_start, chunk_len, chunk_seq, seq_first_chunk,
         state_slots, has_initial_state.to(torch.int8), ssm_state, ring,
@@ -775,8 +664,7 @@ def ssd_scan_varlen_triton(
         *x.stride(), *B.stride(), *C.stride(), *z_strides, *y.stride(), *ssm_state.stride(),
         HAS_D=D is not None, HAS_Z=z is not None,
         CHUNK=chunk, BLOCK=block, BLOCK_T=block_t, BLOCK_P=block_p, P_BLOCKS=p_blocks,
-        HEADS=heads, BLOCK_N=block_n, DOT_DTYPE=dots["dot"], DOT_PRECISION=dots["precision"],
-        STATE_DOT_DTYPE=dots["state_dot"], STATE_PRECISION=dots["state_precision"],
-        ROW_STAGES=cfg["row_stages"], **launch,
+        BLOCK_N=block_n, DOT_DTYPE=dots["dot"], DOT_PRECISION=dots["precision"],
+        STATE_DOT_DTYPE=dots["state_dot"], STATE_PRECISION=dots["state_precision"], **launch,
     )  # fmt: skip
     return y

@@ -129,27 +129,6 @@ def test_head_dim_split_into_chains(monkeypatch):
     compare(inp, lengths, slots, [True, False, True], chunk_size=16)
 
 
-@pytest.mark.parametrize(
-    "override",
-    [{"heads": 2}, {"row_stages": 2}, {"heads": 2, "row_stages": 2}],
-    ids=["two-heads", "row-loop", "two-heads-row-loop"],
-)
-def test_program_layouts(monkeypatch, override):
-    """Two heads side by side per program (G > 1: pairs never straddle a group; P not a
-    power of two), and the pipelined runtime row-block loop, with several row blocks per
-    chunk, partial chunks, initial states, z, D and resumed positions."""
-    config = ssd_scan._launch_config
-    monkeypatch.setattr(
-        ssd_scan,
-        "_launch_config",
-        lambda *a: {**config(*a), "chunk": 32, "block": 16, "block_t": 16, **override},
-    )
-    lengths, slots, positions = [50, 3, 0, 70], [1, 3, 0, 4], [0, 7, 2, 21]
-    inp = make_inputs(lengths, 8, 12, 2, 10, num_slots=5, seed=9, packed_xbc=True)
-    compare(inp, lengths, slots, [True, False, True, True], chunk_size=32,
-            start_positions=torch.tensor(positions, device=DEVICE))  # fmt: skip
-
-
 def test_chunk_id_bound_is_tight():
     """Every sequence ends in a partial chunk: all cdiv(T, chunk) + S - 1 chunk ids are used."""
     lengths, slots = [17, 17, 17], [0, 2, 3]
