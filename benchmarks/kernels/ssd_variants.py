@@ -54,11 +54,14 @@ def variants(src: str) -> dict[str, str]:
         ),
     )
     out["phase3"] = p3
-    out["phase3 no state carry"] = p3.replace("if m0 + BLOCK < CHUNK:", "if m0 + BLOCK < 0:")
     out["phase3 no diagonal"] = p3.replace(
-        "                acc += tl.dot(\n                    scores.to(DOT_DTYPE)",
-        "                acc += 0 * tl.dot(\n                    scores.to(DOT_DTYPE)",
+        "            acc += tl.dot(\n                scores.to(DOT_DTYPE)",
+        "            acc += 0 * tl.dot(\n                scores.to(DOT_DTYPE)",
     )
+    out["phase3 no off-diagonal"] = p3.replace("if m0 > 0:", "if m0 < 0:")
+    for name in ("phase3 no diagonal", "phase3 no off-diagonal"):
+        if out[name] == p3:
+            raise SystemExit(f"ssd_variants.py: the '{name}' edit no longer matches ssd_scan.py")
     return out
 
 
