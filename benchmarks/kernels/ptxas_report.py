@@ -27,6 +27,9 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 DTYPES = {"bf16": ("bf16", "bf16"), "fp16": ("fp16", "fp16"), "fp32": ("fp32", "fp32")}
 
 
+SASS_OUT: str | None = None  # --sass: where to write the disassembly of the last compile
+
+
 def compile_report(fn, signature: dict[str, str], constexprs: dict, options: dict) -> str:
     """ptxas -v output (registers, spills, smem) of one kernel specialisation.
 
@@ -55,6 +58,16 @@ def compile_report(fn, signature: dict[str, str], constexprs: dict, options: dic
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     os.unlink(f.name)
+    if SASS_OUT:
+        with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as c:
+            c.write(compiled.asm["cubin"])
+        sass = subprocess.run(
+            [os.path.join(os.path.dirname(PTXAS), "nvdisasm"), "-c", "-g", c.name],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        os.unlink(c.name)
+        with open(SASS_OUT, "w") as out_file:
+            out_file.write(sass.stdout or sass.stderr)
     lines = [ln.strip() for ln in (out.stdout + out.stderr).splitlines()]
     keep = [ln for ln in lines if re.search(r"registers|spill|C7515|smem|error", ln)]
     return f"shared {compiled.metadata.shared} B; " + " | ".join(keep)
@@ -105,7 +118,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--config", action="append", default=[],
                         help="JSON overrides of _launch_config (repeatable)")  # fmt: skip
+    parser.add_argument("--sass", default=None, help="write the SASS of the last config here")
     opts = parser.parse_args()
+    global SASS_OUT
+    SASS_OUT = opts.sass
     os.environ.pop("TRITON_INTERPRET", None)
     base = ssd_scan._launch_config(None, 1, 128, 64, 128, 256)
     for override in opts.config or ["{}"]:
