@@ -189,7 +189,8 @@ def ssd_scan_varlen_ref(
 #   1. _ssd_chunk_cumsum_kernel: chunk metadata from cu_seqlens and start_positions
 #      (chunks align to absolute positions, so a sequence resumed mid-chunk starts with a
 #      shortened chunk; an empty sequence owns one empty chunk), processed dt and its
-#      chunk-local cumsum of dt*A.
+#      chunk-local cumsum of dt*A, kept in log2 units (dt*A*log2(e)) so that every decay
+#      below, written exp(...) in the comments, is one exp2.
 #   2. _ssd_chunk_cb_kernel: the BLOCK x BLOCK tiles of C B^T on and below the diagonal
 #      per (chunk, group), shared by the group's heads.
 #   3. _ssd_chunk_scan_kernel: one program per (chunk, head, block of P) does the rest:
@@ -267,7 +268,8 @@ def _ssd_chunk_cumsum_kernel(
     # Tokens past the chunk's end get dt = 0: no decay and no input, so the cumsum at the
     # last position is the chunk's total and later stages need no length masks on it.
     dt = tl.where(mask, dt, 0.0)
-    A = tl.load(A_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    # In log2 units (A * log2(e)): the scan's decays are then bare exp2, one instruction.
+    A = tl.load(A_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32) * 1.4426950408889634
     cum = tl.cumsum(dt * A[None, :], 0)
     out = (chunk.to(tl.int64) * H + offs_h[None, :]) * CHUNK + offs_l[:, None]
     tl.store(dt_out_ptr + out, dt, mask=mask_h[None, :])
@@ -362,7 +364,7 @@ def _ssd_chunk_scan_kernel(
             mask_k = offs_k < length
             t = t0 + offs_k
             # cum is non-increasing (A < 0, dt >= 0), so total - cum <= 0: no overflow.
-            weight = tl.exp(total - tl.load(cum_buf_ptr + base + offs_k))
+            weight = tl.exp2(total - tl.load(cum_buf_ptr + base + offs_k))
             weight *= tl.load(dt_buf_ptr + base + offs_k)
             # Scale x (the smaller operand): B goes from memory to the dot as it is.
             x_k = tl.load(
@@ -405,7 +407,7 @@ def _ssd_chunk_scan_kernel(
                 + offs_n[:, None] * BLOCK_P + tl.arange(0, BLOCK_P)[None, :],
                 cache_modifier=".cg",
             )  # fmt: skip
-        state_out = state_in * tl.exp(total) + contrib
+        state_out = state_in * tl.exp2(total) + contrib
         if chunk + 1 == last:
             tl.store(
                 slot_head + offs_n[:, None] * stride_s_n + offs_p[None, :] * stride_s_p,
@@ -450,13 +452,13 @@ def _ssd_chunk_scan_kernel(
                 mask=mask_m[:, None] & mask_n[None, :], other=0.0,
             )  # fmt: skip
             acc = tl.dot(c.to(STATE_DOT_DTYPE), state_op, input_precision=STATE_PRECISION)
-            acc *= tl.exp(cum_m)[:, None]
+            acc *= tl.exp2(cum_m)[:, None]
             if m0 > 0:
                 ref = tl.load(cum_buf_ptr + base + m0 - 1)
                 off = tl.zeros((BLOCK, BLOCK_P), dtype=tl.float32)
                 for j0 in range(0, m0, BLOCK):
                     offs_j = j0 + offs_b  # all < length: j0 + BLOCK <= m0 < length
-                    w = tl.exp(ref - tl.load(cum_buf_ptr + base + offs_j))
+                    w = tl.exp2(ref - tl.load(cum_buf_ptr + base + offs_j))
                     w *= tl.load(dt_buf_ptr + base + offs_j)
                     x_j = tl.load(
                         x_head + (t0 + offs_j)[:, None] * stride_x_t,
@@ -468,15 +470,15 @@ def _ssd_chunk_scan_kernel(
                         cb.to(DOT_DTYPE), (x_j * w[:, None]).to(DOT_DTYPE),
                         input_precision=DOT_PRECISION,
                     )  # fmt: skip
-                acc += off * tl.exp(cum_m - ref)[:, None]
+                acc += off * tl.exp2(cum_m - ref)[:, None]
             # The diagonal tile: -inf above the diagonal before exp (cum_i - cum_j > 0
             # there and may overflow).
             dt_m = tl.load(dt_buf_ptr + base + offs_m)
             x_m = tl.load(x_head + t_m[:, None] * stride_x_t, mask=mask_mp, other=0.0)
             cb = tl.load(cb_ptr + cb_base + (m0 // BLOCK) * (ROWS + 1) * BLOCK * BLOCK + tile)
             causal = offs_m[:, None] >= offs_m[None, :]
-            decay = tl.exp(tl.where(causal, cum_m[:, None] - cum_m[None, :], -float("inf")))
-            scores = tl.where(causal, cb.to(tl.float32) * decay, 0.0) * dt_m[None, :]
+            decay = tl.exp2(tl.where(causal, cum_m[:, None] - cum_m[None, :], -float("inf")))
+            scores = cb.to(tl.float32) * decay * dt_m[None, :]  # decay is 0 above the diagonal
             acc += tl.dot(
                 scores.to(DOT_DTYPE), x_m.to(DOT_DTYPE), input_precision=DOT_PRECISION
             )  # fmt: skip
@@ -521,10 +523,10 @@ def _launch_config(
         "num_stages": 1,
     }
     if x is None or x.dtype != torch.float32:
-        # 16-bit inputs (H200, 32k tokens, Bamba-9B dims): 8 warps held to 128 registers
-        # (two programs, 16 warps per SM) 1.64 ms; 4 warps unbounded (254 registers, 8
-        # warps per SM) 1.81; 8 warps at 96 / 112 registers 1.72 / 1.67. float32 inputs
-        # keep 4 warps: their IEEE dots would spill at 128.
+        # 16-bit inputs (H200, 32k tokens, Bamba-9B dims, before the exp2 change): 8 warps
+        # held to 128 registers (two programs, 16 warps per SM) 1.64 ms; 4 warps unbounded
+        # (254 registers, 8 warps per SM) 1.81; 8 warps at 96 / 112 registers 1.72 / 1.67.
+        # float32 inputs keep 4 warps: their IEEE dots would spill at 128.
         cfg.update(num_warps=8, maxnreg=128)
     return cfg
 
@@ -562,8 +564,8 @@ def _chunk_layout(
     Returns chunk_start, chunk_len, chunk_seq ([num_chunk_ids] int32; ids past the real
     chunks have chunk_seq -1), seq_first_chunk ([S + 1] int32: sequence s owns chunk ids
     seq_first_chunk[s]:seq_first_chunk[s + 1]), and dt (processed) and cum (its
-    chunk-local cumsum of dt * A), both [num_chunk_ids, H, chunk] float32, zero dt past
-    a chunk's end.
+    chunk-local cumsum of dt * A * log2(e): decays are exp2 of differences), both
+    [num_chunk_ids, H, chunk] float32, zero dt past a chunk's end.
     """
     T, H = dt.shape
     S = cu_seqlens.shape[0] - 1
