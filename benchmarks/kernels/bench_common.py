@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import subprocess
 import time
 import traceback
@@ -80,12 +81,15 @@ def bench_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
 
 
 def environment(**extra: Any) -> dict[str, Any]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    # The device machine's copy of the tree has a stale .git: pass SSMSERVE_COMMIT there.
+    commit = os.environ.get("SSMSERVE_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+            ).stdout.strip()
+        except OSError:
+            commit = "unknown"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter)"
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
