@@ -10,8 +10,9 @@ so one failure loses no other data: (a) Triton vs the PyTorch twin run on float3
 (ragged decode batch, split long context, mixed prefill + decode, sliding window, fp16);
 (b) CUDA-graph capture of a padded decode batch (proves no host sync) against eager;
 (c) decode at batch 1 / 64 / 256 x context 1k / 4k / 32k (eager and graph replay), the
-same batch through the prefill path for comparison, and prefill cases; (d) a launch-config
-sweep of the decode path. Prints a table and writes JSON. Floors are
+same batch through the prefill path for comparison, and prefill cases; (d) and (e)
+launch-config sweeps of the decode and prefill paths (--sections picks sections by
+function name). Prints a table and writes JSON. Floors are
 max(bytes / 4.23e12, FLOP / 6.85e14) (the H200 copy and bf16 matmul rates measured in
 docs/kernels_notes.md); decode bytes are the K and V the batch must read.
 """
@@ -49,6 +50,7 @@ TIME_BUDGET_S = 50.0
 ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ARGS.add_argument("--out", default="bench_paged_attention.json", help="JSON results file")
 ARGS.add_argument("--tiny", action="store_true", help="tiny sizes (CPU, TRITON_INTERPRET=1)")
+ARGS.add_argument("--sections", default="", help="comma-separated section functions to run")
 OPTS = ARGS.parse_args()
 TINY = OPTS.tiny
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -268,6 +270,7 @@ def time_prefill() -> None:
     """(c) Prefill regression cases: fresh prompts and a chunk over a long cached context."""
     cases = (
         [("4 x 2k prompts", [0] * 4, [2048] * 4), ("2k chunk over 30k context", [30720], [2048]),
+         ("8k chunk over 24k context", [24576], [8192]),
          ("mixed 32 decodes 4k + 1k chunk", [4095] * 32 + [3072], [1] * 32 + [1024])]
         if not TINY else [("2 prompts", [0, 10], [23, 17]), ("mixed", [40, 30, 9], [1, 1, 20])]
     )  # fmt: skip
@@ -319,6 +322,43 @@ def sweep_decode() -> None:
         attn_mod._decode_config = default
 
 
+def sweep_prefill() -> None:
+    """(e) Prefill launch configs (rows, key tile, warps, stages), each checked against the
+    default config's output."""
+    cases = [("2k chunk over 30k context", [30720], [2048]),
+             ("8k chunk over 24k context", [24576], [8192])] if not TINY else [
+             ("mixed", [40, 30, 9], [1, 1, 20])]  # fmt: skip
+    variants = [{}, {"block_n": 64}, {"block_n": 64, "num_warps": 8}, {"block_m": 128},
+                {"block_m": 128, "num_warps": 8}, {"block_m": 128, "block_n": 64, "num_warps": 8},
+                {"num_stages": 3}, {"block_n": 64, "num_stages": 3},
+                {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}]  # fmt: skip
+    default = attn_mod._prefill_config
+    try:
+        for name, ctx, q_lens in cases:
+            b = make_batch(ctx, q_lens)
+            expected = call(attn_mod.paged_attention_triton, b)
+            for override in variants:
+                label = f"sweep prefill {name} " + json.dumps(override)
+                if over_budget(label):
+                    continue
+                cfg = {**default(H // KVH, DH), **override}
+                cfg["block_q"] = cfg["block_m"] // (H // KVH)
+                attn_mod._prefill_config = lambda *a, cfg=cfg, **k: cfg
+                try:
+                    err = rel_err(call(attn_mod.paged_attention_triton, b), expected)
+                    ms = timed_ms(lambda b=b: call(attn_mod.paged_attention_triton, b))
+                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                    log(f"{label}: failed: {str(exc)[:300]}")
+                    RESULTS["errors"].append({"section": label, "traceback": str(exc)[:3000]})
+                    continue
+                record_time(label, ms, b, config=cfg, rel_err_vs_default=err)
+                if err > 1e-2:
+                    record_check(label, {"vs default config": err})
+            del b
+    finally:
+        attn_mod._prefill_config = default
+
+
 def main() -> None:
     if DEV.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("no CUDA GPU: run with --tiny and TRITON_INTERPRET=1 for a CPU check")
@@ -330,7 +370,9 @@ def main() -> None:
         kernels_dirty=bool(dirty), dims={"H": H, "KVH": KVH, "Dh": DH, "block_size": BLOCK_SIZE}
     )
     log(json.dumps(RESULTS["env"]))
-    run_sections((check_accuracy, check_cuda_graph, time_decode, time_prefill, sweep_decode))
+    sections = (check_accuracy, check_cuda_graph, time_decode, time_prefill, sweep_decode,
+                sweep_prefill)  # fmt: skip
+    run_sections([s for s in sections if not OPTS.sections or s.__name__ in OPTS.sections])
     finish(
         OPTS.out,
         ["case", "ms", "floor ms", "x floor"],
