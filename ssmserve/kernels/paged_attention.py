@@ -394,8 +394,9 @@ def _merge_splits_kernel(
     m = tl.max(lse, axis=0)
     weight = tl.exp2(lse - tl.where(m == -float("inf"), 0.0, m))  # 0 for empty splits
     total = tl.sum(weight, axis=0)
+    # Columns past Dh were never written (the partials' stores stop at Dh): mask them too.
     parts = tl.load(part_out_ptr + (part + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
-                    mask=mask_s[:, None], other=0.0)  # fmt: skip
+                    mask=mask_s[:, None] & (offs_d < Dh)[None, :], other=0.0)  # fmt: skip
     out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     tl.store(out_ptr + q_start * stride_o_t + head * stride_o_h + offs_d * stride_o_d,
