@@ -70,6 +70,35 @@ def record_check(name: str, errors: dict[str, float], limit: float = 1e-2) -> No
     log(f"check {'OK  ' if ok else 'FAIL'} {name}: {pretty} (limit {limit:.0e})")
 
 
+def graph_replay_check(
+    label: str, fn: Callable[[], torch.Tensor], pool: torch.Tensor
+) -> torch.cuda.CUDAGraph:
+    """Capture fn (a scan call that updates the state `pool` in place) in a CUDA graph, which
+    fails on any host sync, replay it from the same starting pool, record a check that y
+    and the pool match the eager call's bit for bit, and return the graph for timing."""
+    pool0 = pool.clone()
+    y_eager = fn()
+    state_eager = pool.clone()
+    pool.copy_(pool0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compile) outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = fn()
+    pool.copy_(pool0)
+    graph.replay()
+    torch.cuda.synchronize()
+    record_check(
+        label,
+        {"y": rel_err(y_graph, y_eager), "state": rel_err(pool, state_eager)},
+        limit=1e-6,
+    )
+    return graph
+
+
 def bench_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
     """Median ms (triton.testing.do_bench) on a GPU; on CPU (the interpreter) one call's
     wall time, which only proves the path runs."""

@@ -284,6 +284,26 @@ def time_prefill() -> None:
         del b
 
 
+def sweep_point(
+    label: str, b: dict[str, Any], expected: torch.Tensor, cfg: dict[str, Any], graphed: bool
+) -> None:
+    """Time the patched-in launch config `cfg` on batch b (under graph replay if `graphed`
+    and it captures), checked against the default config's output `expected`."""
+    fn = lambda: call(attn_mod.paged_attention_triton, b)  # noqa: E731
+    try:
+        err = rel_err(fn(), expected)
+        ms = graph_ms(fn) if graphed else None
+        if ms is None:
+            ms = timed_ms(fn)
+    except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+        log(f"{label}: failed: {str(exc)[:300]}")
+        RESULTS["errors"].append({"section": label, "traceback": str(exc)[:3000]})
+        return
+    record_time(label, ms, b, config=cfg, rel_err_vs_default=err)
+    if err > 1e-2:
+        record_check(label, {"vs default config": err})
+
+
 def sweep_decode() -> None:
     """(d) Decode launch configs (block_n, warps, stages, splits), each checked against
     the default config's output."""
@@ -305,18 +325,7 @@ def sweep_decode() -> None:
                     cfg["num_splits"] = max(1, min(64, int(cfg["num_splits"] * override["splits"])))
                 attn_mod._decode_config = lambda *a, cfg=cfg, **k: cfg
                 label = f"sweep batch {batch} ctx {ctx} " + json.dumps(override)
-                try:
-                    err = rel_err(call(attn_mod.paged_attention_triton, b), expected)
-                    ms = graph_ms(lambda b=b: call(attn_mod.paged_attention_triton, b))
-                    if ms is None:
-                        ms = timed_ms(lambda b=b: call(attn_mod.paged_attention_triton, b))
-                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
-                    log(f"{label}: failed: {str(exc)[:300]}")
-                    RESULTS["errors"].append({"section": label, "traceback": str(exc)[:3000]})
-                    continue
-                record_time(label, ms, b, config=cfg, rel_err_vs_default=err)
-                if err > 1e-2:
-                    record_check(label, {"vs default config": err})
+                sweep_point(label, b, expected, cfg, graphed=True)
             del b
     finally:
         attn_mod._decode_config = default
@@ -344,16 +353,7 @@ def sweep_prefill() -> None:
                 cfg = {**default(H // KVH, DH), **override}
                 cfg["block_q"] = cfg["block_m"] // (H // KVH)
                 attn_mod._prefill_config = lambda *a, cfg=cfg, **k: cfg
-                try:
-                    err = rel_err(call(attn_mod.paged_attention_triton, b), expected)
-                    ms = timed_ms(lambda b=b: call(attn_mod.paged_attention_triton, b))
-                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
-                    log(f"{label}: failed: {str(exc)[:300]}")
-                    RESULTS["errors"].append({"section": label, "traceback": str(exc)[:3000]})
-                    continue
-                record_time(label, ms, b, config=cfg, rel_err_vs_default=err)
-                if err > 1e-2:
-                    record_check(label, {"vs default config": err})
+                sweep_point(label, b, expected, cfg, graphed=False)
             del b
     finally:
         attn_mod._prefill_config = default

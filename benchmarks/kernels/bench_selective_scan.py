@@ -44,6 +44,7 @@ from bench_common import (  # noqa: E402
     elapsed_s,
     environment,
     finish,
+    graph_replay_check,
     log,
     record_check,
     rel_err,
@@ -214,25 +215,10 @@ def check_cuda_graph() -> None:
     name, Dm, N = MODELS[0]
     for S in (1, 8):
         inp = make_inputs(split_evenly(CHECK_T, S), Dm, N, True, seed=3)
-        pool0 = inp["ssm_state"].clone()
-        y_eager = call(scan_mod.selective_scan_varlen_triton, inp)
-        state_eager = inp["ssm_state"].clone()
-        inp["ssm_state"].copy_(pool0)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up (compile) outside the capture
-            call(scan_mod.selective_scan_varlen_triton, inp)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y_graph = call(scan_mod.selective_scan_varlen_triton, inp)
-        inp["ssm_state"].copy_(pool0)
-        graph.replay()
-        torch.cuda.synchronize()
-        record_check(
+        graph = graph_replay_check(
             f"{name} CUDA graph replay == eager, {S} seq(s)",
-            {"y": rel_err(y_graph, y_eager), "state": rel_err(inp["ssm_state"], state_eager)},
-            limit=1e-6,
+            lambda inp=inp: call(scan_mod.selective_scan_varlen_triton, inp),
+            inp["ssm_state"],
         )
         record_time(f"{name} T={CHECK_T} {S} seq(s) graph replay", bench_ms(graph.replay),
                     CHECK_T, S, Dm, N, 2)  # fmt: skip

@@ -32,6 +32,7 @@ from bench_common import (
     elapsed_s,
     environment,
     finish,
+    graph_replay_check,
     log,
     record_check,
     rel_err,
@@ -188,25 +189,10 @@ def check_cuda_graph() -> None:
     name, H, P, N, G = MODELS[0]
     for lengths in ([4096], [512] * 8):
         inp = make_inputs(lengths, H, P, N, G, True, seed=3)
-        pool0 = inp["ssm_state"].clone()
-        y_eager = call(ssd_mod.ssd_scan_varlen_triton, inp)
-        state_eager = inp["ssm_state"].clone()
-        inp["ssm_state"].copy_(pool0)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up (compile) outside the capture
-            call(ssd_mod.ssd_scan_varlen_triton, inp)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y_graph = call(ssd_mod.ssd_scan_varlen_triton, inp)
-        inp["ssm_state"].copy_(pool0)
-        graph.replay()
-        torch.cuda.synchronize()
-        record_check(
+        graph = graph_replay_check(
             f"{name} CUDA graph replay == eager, {len(lengths)} seq(s)",
-            {"y": rel_err(y_graph, y_eager), "state": rel_err(inp["ssm_state"], state_eager)},
-            limit=1e-6,
+            lambda inp=inp: call(ssd_mod.ssd_scan_varlen_triton, inp),
+            inp["ssm_state"],
         )
         ms = bench_ms(graph.replay)
         T = sum(lengths)

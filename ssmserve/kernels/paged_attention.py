@@ -348,22 +348,19 @@ def _paged_attention_kernel(
         first_q_pos = seq_len - q_len + m_block * BLOCK_Q
         visible = tl.minimum(kv_hi, first_q_pos + 1) - kv_lo
         full_hi = kv_lo + tl.maximum(visible, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(kv_lo, full_hi, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, n0, kv_hi, q_pos, seq, kv_head, qk_scale, block_size, window,
-            block_tables_ptr, k_cache_ptr, v_cache_ptr, offs_d, mask_d,
-            stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
-            stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d, stride_bt_s, stride_bt_b,
-            False, HAS_WINDOW, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
-        )  # fmt: skip
-    for n0 in range(full_hi, kv_hi, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, n0, kv_hi, q_pos, seq, kv_head, qk_scale, block_size, window,
-            block_tables_ptr, k_cache_ptr, v_cache_ptr, offs_d, mask_d,
-            stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
-            stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d, stride_bt_s, stride_bt_b,
-            True, HAS_WINDOW, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
-        )  # fmt: skip
+    for MASKED in tl.static_range(2):  # the whole tiles, then the masked ones
+        if MASKED:
+            tiles_lo, tiles_hi = full_hi, kv_hi
+        else:
+            tiles_lo, tiles_hi = kv_lo, full_hi
+        for n0 in range(tiles_lo, tiles_hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, n0, kv_hi, q_pos, seq, kv_head, qk_scale, block_size, window,
+                block_tables_ptr, k_cache_ptr, v_cache_ptr, offs_d, mask_d,
+                stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
+                stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d, stride_bt_s, stride_bt_b,
+                MASKED == 1, HAS_WINDOW, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+            )  # fmt: skip
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     mask_out = mask_m[:, None] & mask_d[None, :]
     if NUM_SPLITS == 1:
