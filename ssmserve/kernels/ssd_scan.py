@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ssmserve.kernels import ssd_scan_hopper
 from ssmserve.kernels._common import (
     check_shape,
     check_varlen,
@@ -656,6 +657,12 @@ def ssd_scan_varlen_triton(
         CHUNK=chunk, BLOCK=block, BLOCK_N=block_n,
         DOT_DTYPE=dots["dot"], DOT_PRECISION=dots["precision"], **launch,
     )  # fmt: skip
+    if ssd_scan_hopper.hopper_scan_usable(x, B, C, z, y, ssm_state, chunk):
+        ssd_scan_hopper.launch_hopper_scan(
+            x, B, C, z, D, y, cb, layout, ssm_state, state_slots, has_initial_state,
+            ring, counters,
+        )  # fmt: skip
+        return y
     z_strides = z.stride() if z is not None else (0, 0, 0)
     _ssd_chunk_scan_kernel[(num_chunk_ids * H * p_blocks,)](
         x, B, C, z, D, y, cb, dt_buf, cum_buf,

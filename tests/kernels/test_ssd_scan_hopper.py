@@ -1,0 +1,91 @@
+"""The Gluon (sm_90) SSD scan against the float32 twin and the Triton-language kernel.
+
+GPU only: the kernel needs an H100/H200 (Gluon does not run in the interpreter). CI on a
+CPU skips this file; the Triton-language kernel it stands in for is tested there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_testing import assert_close
+from test_triton_ssd_scan import SEQ_FIELDS, compare, make_inputs, run
+from triton_testing import DEVICE
+
+from ssmserve.kernels import ssd_scan_hopper
+from ssmserve.kernels.ssd_scan import ssd_scan_varlen_triton
+
+pytestmark = pytest.mark.skipif(
+    DEVICE.type != "cuda"
+    or torch.cuda.get_device_capability() != (9, 0)
+    or not ssd_scan_hopper.HAS_GLUON,
+    reason="the Gluon SSD kernel needs an sm_90 GPU and triton.experimental.gluon",
+)
+
+# Sequences shorter than a chunk, empty, exactly one chunk (256), several chunks with a
+# partial last one; they start mid-chunk of the packed batch.
+LENGTHS = [300, 1, 0, 600, 256, 77]
+SLOTS = [5, 0, 2, 1, 4, 3]
+INIT = [True, False, True, True, False, True]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts launches of the Gluon kernel (so a test knows the path was taken)."""
+    calls = []
+    launch = ssd_scan_hopper.launch_hopper_scan
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(ssd_scan_hopper, "launch_hopper_scan", counting)
+    return calls
+
+
+@pytest.mark.parametrize("G,N", [(1, 128), (2, 64)])
+@pytest.mark.parametrize("with_dz", [True, False])
+def test_matches_twin(launches, G, N, with_dz):
+    inp = make_inputs(LENGTHS, 8, 64, G, N, num_slots=6, dtype=torch.bfloat16, seed=11,
+                      with_dz=with_dz, packed_xbc=True)  # fmt: skip
+    compare(inp, LENGTHS, SLOTS, INIT, chunk_size=256)
+    assert launches, "the Gluon kernel was not used"
+
+
+def test_matches_triton_language_kernel(launches, monkeypatch):
+    lengths = [2000, 333, 1500]
+    inp = make_inputs(lengths, 16, 64, 1, 128, num_slots=3, dtype=torch.bfloat16, seed=12)
+    pool = inp["ssm_state"].clone()
+    y = run(ssd_scan_varlen_triton, inp, lengths, [2, 0, 1], [True, False, True])
+    assert launches
+    state = inp["ssm_state"]
+    inp["ssm_state"] = pool
+    monkeypatch.setenv("SSMSERVE_SSD_GLUON", "0")
+    y_tl = run(ssd_scan_varlen_triton, inp, lengths, [2, 0, 1], [True, False, True])
+    assert len(launches) == 1, "SSMSERVE_SSD_GLUON=0 must select the Triton-language kernel"
+    # Same math and operand roundings, different summation order.
+    assert_close(y, y_tl, scale=0.5, msg="y")
+    assert_close(state, inp["ssm_state"], dtype=torch.bfloat16, scale=0.5, msg="state")
+
+
+@pytest.mark.parametrize("split", [100, 256, 517])
+def test_resumed_mid_chunk_equals_whole(launches, split):
+    L = 900
+    inp = make_inputs([L], 4, 64, 1, 128, dtype=torch.bfloat16, seed=13)
+    y_whole = run(ssd_scan_varlen_triton, inp, [L], [0], [False])
+    state_whole = inp["ssm_state"][0].clone()
+    first = {k: (v[:split] if k in SEQ_FIELDS else v) for k, v in inp.items()}
+    second = {k: (v[split:] if k in SEQ_FIELDS else v) for k, v in inp.items()}
+    y1 = run(ssd_scan_varlen_triton, first, [split], [3], [False])
+    y2 = run(ssd_scan_varlen_triton, second, [L - split], [3], [True],
+             start_positions=torch.tensor([split], device=DEVICE))  # fmt: skip
+    assert len(launches) == 3
+    assert_close(torch.cat([y1, y2]), y_whole, msg="y")
+    assert_close(inp["ssm_state"][3], state_whole, dtype=torch.bfloat16, msg="state")
+
+
+def test_unsupported_shapes_use_the_triton_language_kernel(launches):
+    lengths = [300]
+    inp = make_inputs(lengths, 4, 32, 1, 128, num_slots=1, dtype=torch.bfloat16, seed=14)
+    compare(inp, lengths, [0], [True], chunk_size=256)  # head dim 32: not this kernel
+    assert not launches
