@@ -90,6 +90,34 @@ def _rows(t0, rows, length, T):
 
 
 @jit
+def _weighted_xT(x_tile, cum_buf_ptr, dt_buf_ptr, base, total, k0, offs_k, layout):
+    # Phase 1's dot operand: x^T of one row block times exp(total - cum_t) dt_t per token.
+    w = gl.exp2(total - gl.load(cum_buf_ptr + base + k0 + offs_k))
+    w *= gl.load(dt_buf_ptr + base + k0 + offs_k)
+    xT = x_tile.permute((1, 0)).load(layout)
+    return (xT.to(gl.float32) * w[None, :]).to(xT.dtype)
+
+
+@jit
+def _scores(cb_ptr, cum_buf_ptr, dt_buf_ptr, base, cb_base, m, j, cum_r, ref, r,
+            offs_r, offs_k, cb_tile, ROWS: gl.constexpr, BLOCK: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
+    # Phase 3's dot operand for tile (m, j) of C.B^T, decays applied: j < m as
+    # exp(cum_i - ref) exp(ref - cum_k) dt_k (ref = cum before the row block: both
+    # exponents <= 0); the diagonal element-wise, -inf above it before the exp (the
+    # exponent is positive there and may overflow).
+    cb = gl.load(cb_ptr + cb_base + (m * ROWS + j) * (BLOCK * BLOCK) + cb_tile).to(gl.float32)
+    cum_k = gl.load(cum_buf_ptr + base + j * BLOCK + offs_k)
+    dt_k = gl.load(dt_buf_ptr + base + j * BLOCK + offs_k)
+    if j < m:
+        a = cb * r[:, None] * (gl.exp2(ref - cum_k) * dt_k)[None, :]
+    else:
+        causal = offs_r[:, None] >= offs_k[None, :]
+        a = cb * gl.exp2(gl.where(causal, cum_r[:, None] - cum_k[None, :], -float("inf")))
+        a = a * dt_k[None, :]
+    return a.to(dtype)
+
+
+@jit
 def _ssd_chunk_scan_hopper_kernel(
     x_ptr, B_ptr, C_ptr, z_ptr, D_ptr, y_ptr, cb_ptr, dt_buf_ptr, cum_buf_ptr,
     chunk_start_ptr, chunk_len_ptr, chunk_seq_ptr, seq_first_chunk_ptr,
@@ -159,32 +187,41 @@ def _ssd_chunk_scan_hopper_kernel(
 
         # 1. Contribution to the chunk's end state, [P, N]:
         #    sum_t (exp(total - cum_t) dt_t x_t^T) B_t, the weights on x^T (registers).
+        #    One dot in flight at a time, and each iteration ends with it complete (an
+        #    in-flight accumulator must not cross anything the compiler may copy it
+        #    over); the next operand is built while the dot runs.
         offs_ks = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, a_s))
         acc_s = gl.zeros([P, N], gl.float32, mma_s)
-        a_prev = gl.zeros([P, BLOCK], dtype, a_s)
+        async_copy.wait_group(1)  # x and B tile 0 landed (this thread's copies)
+        fence_async_shared()
+        gl.thread_barrier()  # ... and every thread's
+        a = _weighted_xT(x_smem.index(0), cum_buf_ptr, dt_buf_ptr, base, total, 0, offs_ks, a_s)
         for k in gl.static_range(ROWS):
-            async_copy.wait_group(1)  # tile k landed (this thread's part)
-            fence_async_shared()
-            gl.thread_barrier()  # ... and every thread's
-            w = gl.exp2(total - gl.load(cum_buf_ptr + base + k * BLOCK + offs_ks))
-            w *= gl.load(dt_buf_ptr + base + k * BLOCK + offs_ks)
-            xT = x_smem.index(k).permute((1, 0)).load(a_s)
-            a = (xT.to(gl.float32) * w[None, :]).to(dtype)
             acc_s = warpgroup_mma(a, bc_smem.index(k % NBUF), acc_s, is_async=True)
-            acc_s, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc_s, a_prev))
-            a_prev = a
-            # Tile k - 1's dot is done: its slot takes tile k + 2 (B, or the first C tiles).
+            # Tile k - 1's dot completed last iteration: its slot takes tile k + 2.
             gl.thread_barrier()
             if k + 2 < ROWS:
+                rows = _rows(t0, (k + 2) * BLOCK + offs_r, length, T)
                 async_copy.async_copy_global_to_shared(
-                    bc_smem.index((k + 2) % NBUF), b_cols + _rows(t0, (k + 2) * BLOCK + offs_r, length, T)[:, None] * stride_b_t,
+                    bc_smem.index((k + 2) % NBUF), b_cols + rows[:, None] * stride_b_t
                 )  # fmt: skip
             else:
+                rows = _rows(t0, (k + 2 - ROWS) * BLOCK + offs_r, length, T)
                 async_copy.async_copy_global_to_shared(
-                    bc_smem.index((k + 2) % NBUF), c_cols + _rows(t0, (k + 2 - ROWS) * BLOCK + offs_r, length, T)[:, None] * stride_c_t,
+                    bc_smem.index((k + 2) % NBUF), c_cols + rows[:, None] * stride_c_t
                 )  # fmt: skip
             async_copy.commit_group()
-        acc_s, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc_s, a_prev))
+            a_next = a
+            if k + 1 < ROWS:
+                async_copy.wait_group(1)  # tile k + 1 landed
+                fence_async_shared()
+                gl.thread_barrier()
+                a_next = _weighted_xT(
+                    x_smem.index(k + 1), cum_buf_ptr, dt_buf_ptr, base, total, (k + 1) * BLOCK,
+                    offs_ks, a_s,
+                )  # fmt: skip
+            acc_s, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_s, a))
+            a = a_next
 
         # 2. The chained step (as in the Triton-language kernel; states here are [P, N]).
         if chunk > 0:
@@ -240,46 +277,36 @@ def _ssd_chunk_scan_hopper_kernel(
             async_copy.wait_group(1)  # C tile m (stream tile ROWS + m) landed
             fence_async_shared()
             gl.thread_barrier()
-            acc_c = warpgroup_mma(
+            acc = warpgroup_mma(
                 bc_smem.index((ROWS + m) % NBUF), s_smem.permute((1, 0)), zeros_y,
                 use_acc=False, is_async=True,
             )  # fmt: skip
-            # The diagonal tile.
             cum_r = gl.load(cum_buf_ptr + base + m0 + offs_ra)
-            cum_k = gl.load(cum_buf_ptr + base + m0 + offs_ka)
-            dt_k = gl.load(dt_buf_ptr + base + m0 + offs_ka)
-            cb_d = gl.load(cb_ptr + cb_base + m * (ROWS + 1) * (BLOCK * BLOCK) + cb_tile)
-            causal = offs_ra[:, None] >= offs_ka[None, :]
-            decay = gl.exp2(gl.where(causal, cum_r[:, None] - cum_k[None, :], -float("inf")))
-            a_y_prev = (cb_d.to(gl.float32) * decay * dt_k[None, :]).to(dtype)
-            acc = warpgroup_mma(a_y_prev, x_smem.index(m), zeros_y, use_acc=False, is_async=True)
-            # (Waits for nothing: two dots may be in flight. It only makes acc a plain
-            # tensor, the type the loop below carries.)
-            acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
-            # Earlier tiles of the row.
             ref = gl.load(cum_buf_ptr + base + gl.maximum(m0 - 1, 0))
             r = gl.exp2(cum_r - ref)
-            for j in range(0, m):
-                w_j = gl.exp2(ref - gl.load(cum_buf_ptr + base + j * BLOCK + offs_ka))
-                w_j *= gl.load(dt_buf_ptr + base + j * BLOCK + offs_ka)
-                cb_j = gl.load(cb_ptr + cb_base + (m * ROWS + j) * (BLOCK * BLOCK) + cb_tile)
-                a_j = (cb_j.to(gl.float32) * r[:, None] * w_j[None, :]).to(dtype)
-                acc = warpgroup_mma(a_j, x_smem.index(j), acc, is_async=True)
-                # The dot before this one is done: its operand may go.
-                acc, a_y_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_y_prev))
-                a_y_prev = a_j
-            acc, acc_c, a_y_prev = warpgroup_mma_wait(
-                num_outstanding=0, deps=(acc, acc_c, a_y_prev)
-            )  # fmt: skip
+            ay = _scores(cb_ptr, cum_buf_ptr, dt_buf_ptr, base, cb_base, m, 0, cum_r, ref, r,
+                        offs_ra, offs_ka, cb_tile, ROWS, BLOCK, dtype)  # fmt: skip
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             # C tile m's dot is done: its slot takes C tile m + 2.
             gl.thread_barrier()
+            rows_c = _rows(t0, (m + 2) * BLOCK + offs_r, length, T)
             async_copy.async_copy_global_to_shared(
-                bc_smem.index((ROWS + m + 2) % NBUF), c_cols + _rows(t0, (m + 2) * BLOCK + offs_r, length, T)[:, None] * stride_c_t,
+                bc_smem.index((ROWS + m + 2) % NBUF), c_cols + rows_c[:, None] * stride_c_t
             )  # fmt: skip
             async_copy.commit_group()
-
             cum_y = gl.load(cum_buf_ptr + base + m0 + offs_ry)
-            acc += acc_c * gl.exp2(cum_y)[:, None]
+            acc = acc * gl.exp2(cum_y)[:, None]
+            # The row's tiles j = 0..m (the last is the diagonal), each dot's next operand
+            # built while it runs.
+            for j in range(0, m + 1):
+                acc = warpgroup_mma(ay, x_smem.index(j), acc, is_async=True)
+                ay_next = ay
+                if j < m:
+                    ay_next = _scores(cb_ptr, cum_buf_ptr, dt_buf_ptr, base, cb_base, m, j + 1,
+                                     cum_r, ref, r, offs_ra, offs_ka, cb_tile, ROWS, BLOCK,
+                                     dtype)  # fmt: skip
+                acc, ay = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ay))
+                ay = ay_next
             rows_y = m0 + offs_ry
             mask_y = (rows_y < length)[:, None] & (offs_py < P)[None, :]
             if HAS_D:
