@@ -90,31 +90,38 @@ def _rows(t0, rows, length, T):
 
 
 @jit
-def _weighted_xT(x_tile, cum_buf_ptr, dt_buf_ptr, base, total, k0, offs_k, layout):
+def _weighted_xT(x_tile, cumdt_smem, total, k, offs_k, layout):
     # Phase 1's dot operand: x^T of one row block times exp(total - cum_t) dt_t per token.
-    w = gl.exp2(total - gl.load(cum_buf_ptr + base + k0 + offs_k))
-    w *= gl.load(dt_buf_ptr + base + k0 + offs_k)
+    ROWS: gl.constexpr = cumdt_smem.shape[0] // 2
+    w = gl.exp2(total - cumdt_smem.index(k).load(offs_k.type.layout))
+    w *= cumdt_smem.index(ROWS + k).load(offs_k.type.layout)
     xT = x_tile.permute((1, 0)).load(layout)
     return (xT.to(gl.float32) * w[None, :]).to(xT.dtype)
 
 
 @jit
-def _scores(cb_ptr, cum_buf_ptr, dt_buf_ptr, base, cb_base, m, j, cum_r, ref, r,
-            offs_r, offs_k, cb_tile, ROWS: gl.constexpr, BLOCK: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
+def _cb_tile(cb_ptr, cb_base, m, j, cb_tile, ROWS: gl.constexpr, BLOCK: gl.constexpr):
+    # Tile (m, j) of the chunk's C.B^T, straight into the dot operand's registers.
+    return gl.load(cb_ptr + cb_base + (m * ROWS + j) * (BLOCK * BLOCK) + cb_tile)
+
+
+@jit
+def _scores(cb, cumdt_smem, m, j, cum_r, ref, r, offs_r, offs_k, BLOCK: gl.constexpr):
     # Phase 3's dot operand for tile (m, j) of C.B^T, decays applied: j < m as
     # exp(cum_i - ref) exp(ref - cum_k) dt_k (ref = cum before the row block: both
     # exponents <= 0); the diagonal element-wise, -inf above it before the exp (the
     # exponent is positive there and may overflow).
-    cb = gl.load(cb_ptr + cb_base + (m * ROWS + j) * (BLOCK * BLOCK) + cb_tile).to(gl.float32)
-    cum_k = gl.load(cum_buf_ptr + base + j * BLOCK + offs_k)
-    dt_k = gl.load(dt_buf_ptr + base + j * BLOCK + offs_k)
+    ROWS: gl.constexpr = cumdt_smem.shape[0] // 2
+    cum_k = cumdt_smem.index(j).load(offs_k.type.layout)
+    dt_k = cumdt_smem.index(ROWS + j).load(offs_k.type.layout)
+    a = cb.to(gl.float32)
     if j < m:
-        a = cb * r[:, None] * (gl.exp2(ref - cum_k) * dt_k)[None, :]
+        a = a * r[:, None] * (gl.exp2(ref - cum_k) * dt_k)[None, :]
     else:
         causal = offs_r[:, None] >= offs_k[None, :]
-        a = cb * gl.exp2(gl.where(causal, cum_r[:, None] - cum_k[None, :], -float("inf")))
+        a = a * gl.exp2(gl.where(causal, cum_r[:, None] - cum_k[None, :], -float("inf")))
         a = a * dt_k[None, :]
-    return a.to(dtype)
+    return a.to(cb.dtype)
 
 
 @jit
@@ -152,6 +159,9 @@ def _ssd_chunk_scan_hopper_kernel(
     x_smem = gl.allocate_shared_memory(dtype, [ROWS, BLOCK, P], x_sl)
     bc_smem = gl.allocate_shared_memory(dtype, [NBUF, BLOCK, N], bc_sl)
     s_smem = gl.allocate_shared_memory(dtype, [P, N], s_sl)
+    vec_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    # cum of the chunk's row blocks in rows 0..ROWS-1, dt in rows ROWS..2 ROWS-1
+    cumdt_smem = gl.allocate_shared_memory(gl.float32, [2 * ROWS, BLOCK], vec_sl)
 
     ticket = gl.atomic_add(ticket_ptr, 1)
     chunk = (ticket // H).to(gl.int64)
@@ -179,6 +189,14 @@ def _ssd_chunk_scan_hopper_kernel(
             async_copy.async_copy_global_to_shared(
                 x_smem.index(k), x_cols + _rows(t0, k * BLOCK + offs_r, length, T)[:, None] * stride_x_t,
             )  # fmt: skip
+        offs_blk = gl.arange(0, BLOCK, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        for k in gl.static_range(ROWS):
+            async_copy.async_copy_global_to_shared(
+                cumdt_smem.index(k), cum_buf_ptr + base + k * BLOCK + offs_blk
+            )  # fmt: skip
+            async_copy.async_copy_global_to_shared(
+                cumdt_smem.index(ROWS + k), dt_buf_ptr + base + k * BLOCK + offs_blk
+            )  # fmt: skip
         for i in gl.static_range(2):
             async_copy.async_copy_global_to_shared(
                 bc_smem.index(i), b_cols + _rows(t0, i * BLOCK + offs_r, length, T)[:, None] * stride_b_t,
@@ -195,7 +213,7 @@ def _ssd_chunk_scan_hopper_kernel(
         async_copy.wait_group(1)  # x and B tile 0 landed (this thread's copies)
         fence_async_shared()
         gl.thread_barrier()  # ... and every thread's
-        a = _weighted_xT(x_smem.index(0), cum_buf_ptr, dt_buf_ptr, base, total, 0, offs_ks, a_s)
+        a = _weighted_xT(x_smem.index(0), cumdt_smem, total, 0, offs_ks, a_s)
         for k in gl.static_range(ROWS):
             acc_s = warpgroup_mma(a, bc_smem.index(k % NBUF), acc_s, is_async=True)
             # Tile k - 1's dot completed last iteration: its slot takes tile k + 2.
@@ -217,8 +235,7 @@ def _ssd_chunk_scan_hopper_kernel(
                 fence_async_shared()
                 gl.thread_barrier()
                 a_next = _weighted_xT(
-                    x_smem.index(k + 1), cum_buf_ptr, dt_buf_ptr, base, total, (k + 1) * BLOCK,
-                    offs_ks, a_s,
+                    x_smem.index(k + 1), cumdt_smem, total, k + 1, offs_ks, a_s
                 )  # fmt: skip
             acc_s, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_s, a))
             a = a_next
@@ -281,11 +298,13 @@ def _ssd_chunk_scan_hopper_kernel(
                 bc_smem.index((ROWS + m) % NBUF), s_smem.permute((1, 0)), zeros_y,
                 use_acc=False, is_async=True,
             )  # fmt: skip
-            cum_r = gl.load(cum_buf_ptr + base + m0 + offs_ra)
+            # Tiles j = 0, 1 of the row are loaded now; tile j + 2 while dot j runs.
+            cb_j = _cb_tile(cb_ptr, cb_base, m, 0, cb_tile, ROWS, BLOCK)
+            cb_next = _cb_tile(cb_ptr, cb_base, m, gl.minimum(m, 1), cb_tile, ROWS, BLOCK)
             ref = gl.load(cum_buf_ptr + base + gl.maximum(m0 - 1, 0))
+            cum_r = cumdt_smem.index(m).load(gl.SliceLayout(1, a_y))
             r = gl.exp2(cum_r - ref)
-            ay = _scores(cb_ptr, cum_buf_ptr, dt_buf_ptr, base, cb_base, m, 0, cum_r, ref, r,
-                        offs_ra, offs_ka, cb_tile, ROWS, BLOCK, dtype)  # fmt: skip
+            ay = _scores(cb_j, cumdt_smem, m, 0, cum_r, ref, r, offs_ra, offs_ka, BLOCK)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             # C tile m's dot is done: its slot takes C tile m + 2.
             gl.thread_barrier()
@@ -294,7 +313,7 @@ def _ssd_chunk_scan_hopper_kernel(
                 bc_smem.index((ROWS + m + 2) % NBUF), c_cols + rows_c[:, None] * stride_c_t
             )  # fmt: skip
             async_copy.commit_group()
-            cum_y = gl.load(cum_buf_ptr + base + m0 + offs_ry)
+            cum_y = cumdt_smem.index(m).load(gl.SliceLayout(1, mma_y))
             acc = acc * gl.exp2(cum_y)[:, None]
             # The row's tiles j = 0..m (the last is the diagonal), each dot's next operand
             # built while it runs.
@@ -302,9 +321,11 @@ def _ssd_chunk_scan_hopper_kernel(
                 acc = warpgroup_mma(ay, x_smem.index(j), acc, is_async=True)
                 ay_next = ay
                 if j < m:
-                    ay_next = _scores(cb_ptr, cum_buf_ptr, dt_buf_ptr, base, cb_base, m, j + 1,
-                                     cum_r, ref, r, offs_ra, offs_ka, cb_tile, ROWS, BLOCK,
-                                     dtype)  # fmt: skip
+                    cb_after = _cb_tile(cb_ptr, cb_base, m, gl.minimum(j + 2, m), cb_tile, ROWS,
+                                        BLOCK)  # fmt: skip
+                    ay_next = _scores(cb_next, cumdt_smem, m, j + 1, cum_r, ref, r, offs_ra,
+                                      offs_ka, BLOCK)  # fmt: skip
+                    cb_next = cb_after
                 acc, ay = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ay))
                 ay = ay_next
             rows_y = m0 + offs_ry

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import assert_close
-from test_triton_ssd_scan import SEQ_FIELDS, compare, make_inputs, run
+from test_triton_ssd_scan import SEQ_FIELDS, make_inputs, run
 from triton_testing import DEVICE
 
 from ssmserve.kernels import ssd_scan_hopper
-from ssmserve.kernels.ssd_scan import ssd_scan_varlen_triton
+from ssmserve.kernels.ssd_scan import ssd_scan_varlen_ref, ssd_scan_varlen_triton
 
 pytestmark = pytest.mark.skipif(
     DEVICE.type != "cuda"
@@ -27,6 +26,34 @@ pytestmark = pytest.mark.skipif(
 LENGTHS = [300, 1, 0, 600, 256, 77]
 SLOTS = [5, 0, 2, 1, 4, 3]
 INIT = [True, False, True, True, False, True]
+
+
+def assert_rel_close(actual, expected, tol, msg):
+    """Relative L2 error and worst element, both against the reference's scale.
+
+    Element-wise bf16 tolerances do not fit these sizes: each output sums hundreds of
+    products of bf16-rounded operands (the bench's checks use the same measure).
+    """
+    diff = (actual.double() - expected.double()).flatten()
+    scale = expected.double().norm() / expected.numel() ** 0.5
+    rel = diff.norm() / expected.double().norm()
+    worst = diff.abs().max() / scale
+    assert rel < tol and worst < 20 * tol, f"{msg}: rel. L2 {rel:.2e}, worst {worst:.2e} x rms"
+
+
+def compare(inp, lengths, slots, init, tol=5e-3):
+    """The kernel against the float32 twin; slots of no sequence stay untouched."""
+    before = inp["ssm_state"].clone()
+    ref = {k: (v.float() if k in ("x", "B", "C", "z") and v is not None else v)
+           for k, v in inp.items()}  # fmt: skip
+    ref["ssm_state"] = before.clone()
+    y_ref = run(ssd_scan_varlen_ref, ref, lengths, slots, init)
+    y = run(ssd_scan_varlen_triton, inp, lengths, slots, init)
+    assert y.dtype == inp["x"].dtype
+    assert_rel_close(y, y_ref, tol, "y")
+    assert_rel_close(inp["ssm_state"][slots], ref["ssm_state"][slots], tol, "state")
+    untouched = [i for i in range(before.shape[0]) if i not in slots]
+    assert torch.equal(inp["ssm_state"][untouched], before[untouched])
 
 
 @pytest.fixture
@@ -48,7 +75,7 @@ def launches(monkeypatch):
 def test_matches_twin(launches, G, N, with_dz):
     inp = make_inputs(LENGTHS, 8, 64, G, N, num_slots=6, dtype=torch.bfloat16, seed=11,
                       with_dz=with_dz, packed_xbc=True)  # fmt: skip
-    compare(inp, LENGTHS, SLOTS, INIT, chunk_size=256)
+    compare(inp, LENGTHS, SLOTS, INIT)
     assert launches, "the Gluon kernel was not used"
 
 
@@ -64,8 +91,8 @@ def test_matches_triton_language_kernel(launches, monkeypatch):
     y_tl = run(ssd_scan_varlen_triton, inp, lengths, [2, 0, 1], [True, False, True])
     assert len(launches) == 1, "SSMSERVE_SSD_GLUON=0 must select the Triton-language kernel"
     # Same math and operand roundings, different summation order.
-    assert_close(y, y_tl, scale=0.5, msg="y")
-    assert_close(state, inp["ssm_state"], dtype=torch.bfloat16, scale=0.5, msg="state")
+    assert_rel_close(y, y_tl, 2e-3, "y")
+    assert_rel_close(state, inp["ssm_state"], 2e-3, "state")
 
 
 @pytest.mark.parametrize("split", [100, 256, 517])
@@ -80,12 +107,12 @@ def test_resumed_mid_chunk_equals_whole(launches, split):
     y2 = run(ssd_scan_varlen_triton, second, [L - split], [3], [True],
              start_positions=torch.tensor([split], device=DEVICE))  # fmt: skip
     assert len(launches) == 3
-    assert_close(torch.cat([y1, y2]), y_whole, msg="y")
-    assert_close(inp["ssm_state"][3], state_whole, dtype=torch.bfloat16, msg="state")
+    assert_rel_close(torch.cat([y1, y2]), y_whole, 2e-3, "y")
+    assert_rel_close(inp["ssm_state"][3], state_whole, 2e-3, "state")
 
 
 def test_unsupported_shapes_use_the_triton_language_kernel(launches):
     lengths = [300]
     inp = make_inputs(lengths, 4, 32, 1, 128, num_slots=1, dtype=torch.bfloat16, seed=14)
-    compare(inp, lengths, [0], [True], chunk_size=256)  # head dim 32: not this kernel
+    compare(inp, lengths, [0], [True])  # head dim 32: not this kernel
     assert not launches
