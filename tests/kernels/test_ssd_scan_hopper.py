@@ -38,7 +38,8 @@ def assert_rel_close(actual, expected, tol, msg):
     scale = expected.double().norm() / expected.numel() ** 0.5
     rel = diff.norm() / expected.double().norm()
     worst = diff.abs().max() / scale
-    assert rel < tol and worst < 20 * tol, f"{msg}: rel. L2 {rel:.2e}, worst {worst:.2e} x rms"
+    # A wrong row block or tile shows as a worst element of the order of the rms or more.
+    assert rel < tol and worst < 100 * tol, f"{msg}: rel. L2 {rel:.2e}, worst {worst:.2e} x rms"
 
 
 def compare(inp, lengths, slots, init, tol=5e-3):
@@ -58,7 +59,8 @@ def compare(inp, lengths, slots, init, tol=5e-3):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Counts launches of the Gluon kernel (so a test knows the path was taken)."""
+    """Turns the Gluon kernel on (it is opt-in) and counts its launches."""
+    monkeypatch.setenv("SSMSERVE_SSD_GLUON", "1")
     calls = []
     launch = ssd_scan_hopper.launch_hopper_scan
 
