@@ -135,7 +135,7 @@ def _ssd_chunk_scan_hopper_kernel(
     stride_x_t, stride_x_h, stride_b_t, stride_b_g, stride_c_t, stride_c_g,
     stride_z_t, stride_z_h, stride_y_t, stride_y_h,
     stride_s_slot, stride_s_h, stride_s_p,
-    HAS_D: gl.constexpr, HAS_Z: gl.constexpr, SKIP: gl.constexpr,
+    HAS_D: gl.constexpr, HAS_Z: gl.constexpr,
     CHUNK: gl.constexpr, BLOCK: gl.constexpr, P: gl.constexpr, N: gl.constexpr,
 ):  # fmt: skip
     ROWS: gl.constexpr = CHUNK // BLOCK
@@ -217,7 +217,7 @@ def _ssd_chunk_scan_hopper_kernel(
         gl.thread_barrier()  # ... and every thread's
         a = _weighted_xT(x_smem.index(0), cumdt_smem, total, 0, offs_ks, a_s)
         for k in gl.static_range(ROWS):
-            acc_s = warpgroup_mma(a, bc_smem.index(k % NBUF), acc_s, is_async=True, use_acc=(SKIP & 4) == 0)
+            acc_s = warpgroup_mma(a, bc_smem.index(k % NBUF), acc_s, is_async=True)
             # Tile k - 1's dot completed last iteration: its slot takes tile k + 2.
             gl.thread_barrier()
             if k + 2 < ROWS:
@@ -243,7 +243,7 @@ def _ssd_chunk_scan_hopper_kernel(
             a = a_next
 
         # 2. The chained step (as in the Triton-language kernel; states here are [P, N]).
-        if (chunk > 0) & ((SKIP & 2) == 0):
+        if chunk > 0:
             seen = gl.atomic_add(published_ptr + head, 0, sem="acquire")
             while seen < chunk:
                 seen = gl.atomic_add(published_ptr + head, 0, sem="acquire")
@@ -291,7 +291,7 @@ def _ssd_chunk_scan_hopper_kernel(
         offs_py = gl.arange(0, P, layout=gl.SliceLayout(0, mma_y))
         cb_base = (chunk * (H // heads_per_group) + group) * (ROWS * ROWS * BLOCK * BLOCK)
         zeros_y = gl.zeros([BLOCK, P], gl.float32, mma_y)
-        for m in range(0, gl.cdiv(length, BLOCK) * ((SKIP & 1) == 0)):
+        for m in range(0, gl.cdiv(length, BLOCK)):
             m0 = m * BLOCK
             async_copy.wait_group(1)  # C tile m (stream tile ROWS + m) landed
             fence_async_shared()
@@ -376,6 +376,6 @@ def launch_hopper_scan(
         x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         *z_strides, y.stride(0), y.stride(1),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
-        HAS_D=D is not None, HAS_Z=z is not None, SKIP=int(os.environ.get('SSMSERVE_SSD_SKIP', 0)), CHUNK=CHUNK, BLOCK=BLOCK, P=P, N=N,
+        HAS_D=D is not None, HAS_Z=z is not None, CHUNK=CHUNK, BLOCK=BLOCK, P=P, N=N,
         num_warps=NUM_WARPS,
     )  # fmt: skip
