@@ -20,6 +20,7 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
 
 from ssmserve.kernels import ssd_scan
 
@@ -30,7 +31,9 @@ DTYPES = {"bf16": ("bf16", "bf16"), "fp16": ("fp16", "fp16"), "fp32": ("fp32", "
 SASS_OUT: str | None = None  # --sass: where to write the disassembly of the last compile
 
 
-def compile_report(fn, signature: dict[str, str], constexprs: dict, options: dict) -> str:
+def compile_report(
+    fn, signature: dict[str, str], constexprs: dict, options: dict, source=ASTSource
+) -> str:
     """ptxas -v output (registers, spills, smem) of one kernel specialisation.
 
     Specialised the way Triton's JIT specialises a real launch at Bamba-9B dims: unit
@@ -48,8 +51,8 @@ def compile_report(fn, signature: dict[str, str], constexprs: dict, options: dic
             constexprs = {**constexprs, name: 1}
         elif name.startswith("stride_") or name.endswith("_ptr") or name in ("H", "P", "N"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    jitted = triton.jit(fn)
-    src = ASTSource(fn=jitted, signature=signature, constexprs=constexprs, attrs=attrs)
+    jitted = fn if isinstance(fn, JITFunction) else triton.jit(fn)
+    src = source(fn=jitted, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])
@@ -113,16 +116,46 @@ def scan_kernel_report(dtype: str, cfg: dict) -> str:
     return compile_report(ssd_scan._ssd_chunk_scan_kernel.fn, sig, constexprs, options)
 
 
+def hopper_kernel_report(N: int, has_z: bool) -> str:
+    """The same for the Gluon kernel of ssd_scan_hopper.py (bf16, head dim 64)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from ssmserve.kernels import ssd_scan_hopper as hopper
+
+    fn = hopper._ssd_chunk_scan_hopper_kernel
+    constexprs = dict(HAS_D=True, HAS_Z=has_z, CHUNK=hopper.CHUNK, BLOCK=hopper.BLOCK, P=64, N=N)
+    sig: dict[str, str] = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in ("x_ptr", "B_ptr", "C_ptr", "z_ptr", "y_ptr", "cb_ptr"):
+            sig[name] = "*bf16"
+        elif name in ("state_ptr", "ring_ptr", "D_ptr", "dt_buf_ptr", "cum_buf_ptr"):
+            sig[name] = "*fp32"
+        elif name.endswith("_ptr"):
+            sig[name] = "*i8" if name == "has_init_ptr" else "*i32"
+        else:
+            sig[name] = "i32"
+    options = {"num_warps": hopper.NUM_WARPS}
+    return compile_report(fn, sig, constexprs, options, source=GluonASTSource)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--config", action="append", default=[],
                         help="JSON overrides of _launch_config (repeatable)")  # fmt: skip
     parser.add_argument("--sass", default=None, help="write the SASS of the last config here")
+    parser.add_argument("--hopper", action="store_true",
+                        help="the Gluon kernel (ssd_scan_hopper.py) instead, N 128 and 64")  # fmt: skip
     opts = parser.parse_args()
     global SASS_OUT
     SASS_OUT = opts.sass
     os.environ.pop("TRITON_INTERPRET", None)
+    if opts.hopper:
+        for N, has_z in ((128, False), (64, True)):
+            print(f"gluon N={N} z={has_z}: {hopper_kernel_report(N, has_z)}", flush=True)
+        return
     base = ssd_scan._launch_config(None, 1, 128, 64, 128, 256)
     for override in opts.config or ["{}"]:
         cfg = {**base, **json.loads(override)}
