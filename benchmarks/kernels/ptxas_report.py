@@ -122,7 +122,7 @@ def hopper_kernel_report(N: int, has_z: bool) -> str:
 
     from ssmserve.kernels import ssd_scan_hopper as hopper
 
-    fn = hopper._ssd_chunk_scan_hopper_kernel
+    fn = hopper._ssd_scan_hopper_kernel
     constexprs = dict(HAS_D=True, HAS_Z=has_z, CHUNK=hopper.CHUNK, BLOCK=hopper.BLOCK, P=64, N=N)
     sig: dict[str, str] = {}
     for name in fn.arg_names:

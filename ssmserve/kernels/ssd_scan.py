@@ -646,9 +646,6 @@ def ssd_scan_varlen_triton(
     dev = x.device
     rows = chunk // block
     cb = torch.empty(num_chunk_ids, G, rows, rows, block, block, dtype=x.dtype, device=dev)
-    ring = torch.empty(2, H * p_blocks, block_n, block_p, dtype=torch.float32, device=dev)
-    # [ticket, published per (head, P block)]: the only buffer that must start at zero.
-    counters = torch.zeros(1 + H * p_blocks, dtype=torch.int32, device=dev)
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     if cfg.get("maxnreg"):
         launch["maxnreg"] = cfg["maxnreg"]
@@ -659,10 +656,12 @@ def ssd_scan_varlen_triton(
     )  # fmt: skip
     if ssd_scan_hopper.hopper_scan_usable(x, B, C, z, y, ssm_state, chunk):
         ssd_scan_hopper.launch_hopper_scan(
-            x, B, C, z, D, y, cb, layout, ssm_state, state_slots, has_initial_state,
-            ring, counters,
+            x, B, C, z, D, y, cb, layout, ssm_state, state_slots, has_initial_state
         )  # fmt: skip
         return y
+    ring = torch.empty(2, H * p_blocks, block_n, block_p, dtype=torch.float32, device=dev)
+    # [ticket, published per (head, P block)]: the only buffer that must start at zero.
+    counters = torch.zeros(1 + H * p_blocks, dtype=torch.int32, device=dev)
     z_strides = z.stride() if z is not None else (0, 0, 0)
     _ssd_chunk_scan_kernel[(num_chunk_ids * H * p_blocks,)](
         x, B, C, z, D, y, cb, dt_buf, cum_buf,
