@@ -105,6 +105,46 @@ def _copy_chunk_vectors(cum_smem, dt_smem, cum_buf_ptr, dt_buf_ptr, base, CHUNK:
 
 
 @jit
+def _chunk_scalars(c, H, head, CHUNK: gl.constexpr, chunk_start_ptr, chunk_len_ptr,
+                   chunk_seq_ptr, seq_first_chunk_ptr, state_slots_ptr, cum_buf_ptr):  # fmt: skip
+    # Chunk c's first token, length, sequence, the sequence's first and last chunk ids + 1,
+    # its state slot, and the chunk's total decay (cum at its last position).
+    seq = gl.load(chunk_seq_ptr + c)
+    return (
+        gl.load(chunk_start_ptr + c).to(gl.int64),
+        gl.load(chunk_len_ptr + c),
+        seq,
+        gl.load(seq_first_chunk_ptr + seq),
+        gl.load(seq_first_chunk_ptr + seq + 1),
+        gl.load(state_slots_ptr + seq).to(gl.int64),
+        gl.load(cum_buf_ptr + (c * H + head) * CHUNK + CHUNK - 1),
+    )
+
+
+@jit
+def _cb_rows(cb_ptr, cb_base, p, j, offs_r, offs_k, ROWS: gl.constexpr, BLOCK: gl.constexpr):
+    # Rows of output pass p (row blocks 2p, 2p + 1) of the chunk's C.B^T, column tile j;
+    # zeros for rows whose block is < j (that tile is above the diagonal, never written).
+    m_row = 2 * p + offs_r // BLOCK
+    ptrs = cb_ptr + cb_base + ((m_row * ROWS + j) * BLOCK + offs_r % BLOCK)[:, None] * BLOCK
+    return gl.load(ptrs + offs_k[None, :], mask=(m_row >= j)[:, None], other=0.0)
+
+
+@jit
+def _intra_tile(acc, cb, cum, dts, x_c, p, j, cum_i, offs_r, offs_k, BLOCK: gl.constexpr):
+    # acc += (C.B^T tile j of pass p, times exp(cum_i - cum_k) dt_k, causal) x_j.
+    HALF: gl.constexpr = 2 * BLOCK
+    cum_k = cum.slice(j * BLOCK, BLOCK).load(offs_k.type.layout)
+    dt_k = dts.slice(j * BLOCK, BLOCK).load(offs_k.type.layout)
+    causal = (p * HALF + offs_r)[:, None] >= (j * BLOCK + offs_k)[None, :]
+    decay = gl.exp2(gl.where(causal, cum_i[:, None] - cum_k[None, :], -float("inf")))
+    a = (cb.to(gl.float32) * decay * dt_k[None, :]).to(cb.dtype)
+    acc = warpgroup_mma(a, x_c.slice(j * BLOCK, BLOCK), acc, is_async=True)
+    acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
+    return acc
+
+
+@jit
 def _landed(num_outstanding: gl.constexpr):
     # This thread's copies but the last num_outstanding groups have landed; then every
     # thread's, visible to the wgmma (async proxy).
@@ -184,17 +224,21 @@ def _ssd_scan_hopper_kernel(
     offs_ry = gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_y))
     offs_py = gl.arange(0, P, layout=gl.SliceLayout(0, mma_y))
     state = gl.zeros([P, N], gl.float32, mma_s)
+    # Scalars of the current chunk; each iteration loads its successor's.
+    t0, length, seq, first, last, slot, total = _chunk_scalars(
+        0, H, head, CHUNK, chunk_start_ptr, chunk_len_ptr, chunk_seq_ptr, seq_first_chunk_ptr,
+        state_slots_ptr, cum_buf_ptr,
+    )  # fmt: skip
     for c in range(0, num_chunks):
         buf = c % 2
-        seq = gl.load(chunk_seq_ptr + c)
-        t0 = gl.load(chunk_start_ptr + c).to(gl.int64)
-        length = gl.load(chunk_len_ptr + c)
         # Every warp is done with the previous chunk's x and cum/dt (buffer 1 - buf).
         gl.thread_barrier()
-        # The next chunk's copies go first (its metadata is loaded a chunk ahead too).
+        # The next chunk's copies go first.
         c_next = gl.minimum(c + 1, num_chunks - 1)  # past the last: a harmless repeat
-        t0_next = gl.load(chunk_start_ptr + c_next).to(gl.int64)
-        len_next = gl.load(chunk_len_ptr + c_next)
+        t0_next, len_next, seq_next, first_next, last_next, slot_next, total_next = (
+            _chunk_scalars(c_next, H, head, CHUNK, chunk_start_ptr, chunk_len_ptr,
+                           chunk_seq_ptr, seq_first_chunk_ptr, state_slots_ptr, cum_buf_ptr)
+        )  # fmt: skip
         _copy_rows(x_smem.index(1 - buf), x_head, offs_pc, t0_next, 0, len_next, T, stride_x_t,
                    CHUNK, ld)  # fmt: skip
         _copy_chunk_vectors(vec_smem.index(2 - 2 * buf), vec_smem.index(3 - 2 * buf),
@@ -203,13 +247,12 @@ def _ssd_scan_hopper_kernel(
         cum = vec_smem.index(2 * buf)
         dts = vec_smem.index(2 * buf + 1)
         x_c = x_smem.index(buf)
-        base = (c * H + head) * CHUNK
-        total = gl.load(cum_buf_ptr + base + CHUNK - 1)
-        first = gl.load(seq_first_chunk_ptr + seq)
-        last = gl.load(seq_first_chunk_ptr + seq + 1)
-        slot_head = state_ptr + gl.load(state_slots_ptr + seq).to(gl.int64) * stride_s_slot
-        slot_head += head * stride_s_h
-        state_ptrs = slot_head + offs_ps[:, None] * stride_s_p + offs_ns[None, :]
+        # This chunk's C.B^T tiles for the first output pass, loaded now for later.
+        cb_base = (c * (H // heads_per_group) + group) * (ROWS * ROWS * BLOCK * BLOCK)
+        cb_00 = _cb_rows(cb_ptr, cb_base, 0, 0, offs_ra, offs_ka, ROWS, BLOCK)
+        cb_01 = _cb_rows(cb_ptr, cb_base, 0, 1, offs_ra, offs_ka, ROWS, BLOCK)
+        state_ptrs = (state_ptr + slot * stride_s_slot + head * stride_s_h
+                      + offs_ps[:, None] * stride_s_p + offs_ns[None, :])  # fmt: skip
         if c == first:
             has_init = gl.load(has_init_ptr + seq) != 0
             state = gl.load(state_ptrs, mask=(offs_ps < P)[:, None] & has_init, other=0.0)
@@ -239,15 +282,18 @@ def _ssd_scan_hopper_kernel(
         fence_async_shared()  # s_smem (generic stores) before the C.S wgmmas
         gl.thread_barrier()
 
-        # 2. Outputs, HALF rows per pass: row blocks 2p (warp group 0) and 2p + 1.
-        cb_base = (c * (H // heads_per_group) + group) * (ROWS * ROWS * BLOCK * BLOCK)
-        row_block = offs_ra // BLOCK  # within the pass
+        # 2. Outputs, HALF rows per pass: row blocks 2p (warp group 0) and 2p + 1, each
+        #    pass's C.B^T tiles loaded a phase ahead of their dots.
+        cb_10 = _cb_rows(cb_ptr, cb_base, 1, 0, offs_ra, offs_ka, ROWS, BLOCK)
+        cb_11 = _cb_rows(cb_ptr, cb_base, 1, 1, offs_ra, offs_ka, ROWS, BLOCK)
         for p in gl.static_range(2):
+            if p == 1:
+                cb_12 = _cb_rows(cb_ptr, cb_base, 1, 2, offs_ra, offs_ka, ROWS, BLOCK)
+                cb_13 = _cb_rows(cb_ptr, cb_base, 1, 3, offs_ra, offs_ka, ROWS, BLOCK)
             _landed(4)  # C rows of this pass
             acc = warpgroup_mma(bc_smem.index(2 + p), s_smem.permute((1, 0)),
                                 gl.zeros([HALF, P], gl.float32, mma_y), use_acc=False,
                                 is_async=True)  # fmt: skip
-            m_row = 2 * p + row_block  # row block of each row
             cum_i = cum.slice(p * HALF, HALF).load(gl.SliceLayout(1, a_y))
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             gl.thread_barrier()
@@ -257,21 +303,15 @@ def _ssd_scan_hopper_kernel(
             cum_y = cum.slice(p * HALF, HALF).load(gl.SliceLayout(1, mma_y))
             acc = acc * gl.exp2(cum_y)[:, None]
             # Tiles j = 0..2p+1 of C.B^T for the pass's rows (rows whose block is < j
-            # take zeros), with the exact causal decay.
-            for j in gl.static_range(2 * p + 2):
-                valid = m_row >= j
-                cb = gl.load(
-                    cb_ptr + cb_base + ((m_row * ROWS + j) * BLOCK + offs_ra % BLOCK)[:, None] * BLOCK
-                    + offs_ka[None, :],
-                    mask=valid[:, None], other=0.0,
-                )  # fmt: skip
-                cum_k = cum.slice(j * BLOCK, BLOCK).load(gl.SliceLayout(0, a_y))
-                dt_k = dts.slice(j * BLOCK, BLOCK).load(gl.SliceLayout(0, a_y))
-                causal = (m_row * BLOCK + offs_ra % BLOCK)[:, None] >= (j * BLOCK + offs_ka)[None, :]
-                decay = gl.exp2(gl.where(causal, cum_i[:, None] - cum_k[None, :], -float("inf")))
-                ay = (cb.to(gl.float32) * decay * dt_k[None, :]).to(dtype)
-                acc = warpgroup_mma(ay, x_c.slice(j * BLOCK, BLOCK), acc, is_async=True)
-                acc, ay = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ay))
+            # took zeros), with the exact causal decay.
+            if p == 0:
+                acc = _intra_tile(acc, cb_00, cum, dts, x_c, 0, 0, cum_i, offs_ra, offs_ka, BLOCK)
+                acc = _intra_tile(acc, cb_01, cum, dts, x_c, 0, 1, cum_i, offs_ra, offs_ka, BLOCK)
+            else:
+                acc = _intra_tile(acc, cb_10, cum, dts, x_c, 1, 0, cum_i, offs_ra, offs_ka, BLOCK)
+                acc = _intra_tile(acc, cb_11, cum, dts, x_c, 1, 1, cum_i, offs_ra, offs_ka, BLOCK)
+                acc = _intra_tile(acc, cb_12, cum, dts, x_c, 1, 2, cum_i, offs_ra, offs_ka, BLOCK)
+                acc = _intra_tile(acc, cb_13, cum, dts, x_c, 1, 3, cum_i, offs_ra, offs_ka, BLOCK)
             rows_y = p * HALF + offs_ry
             mask_y = (rows_y < length)[:, None] & (offs_py < P)[None, :]
             if HAS_D:
@@ -289,6 +329,9 @@ def _ssd_scan_hopper_kernel(
                 + offs_py[None, :],
                 acc.to(y_ptr.dtype.element_ty), mask=mask_y,
             )  # fmt: skip
+        t0, length, seq, first, last, slot, total = (
+            t0_next, len_next, seq_next, first_next, last_next, slot_next, total_next
+        )  # fmt: skip
     # No copy may land after the program exits.
     async_copy.wait_group(0)
 
