@@ -52,7 +52,7 @@ else:  # definitions only; hopper_scan_usable() is False and nothing launches
 
 CHUNK = 256
 BLOCK = 64
-NUM_WARPS = 16
+NUM_WARPS = 8
 
 
 def hopper_scan_usable(
@@ -124,20 +124,21 @@ def _chunk_scalars(c, H, head, CHUNK: gl.constexpr, chunk_start_ptr, chunk_len_p
 
 
 @jit
-def _cb_rows(cb_ptr, cb_base, j, offs_r, offs_k, ROWS: gl.constexpr, BLOCK: gl.constexpr):
-    # Column tile j of the chunk's C.B^T, all rows; zeros for rows whose block is < j
-    # (that tile is above the diagonal, never written).
-    m_row = offs_r // BLOCK
+def _cb_rows(cb_ptr, cb_base, p, j, offs_r, offs_k, ROWS: gl.constexpr, BLOCK: gl.constexpr):
+    # Rows of output pass p (row blocks 2p, 2p + 1) of the chunk's C.B^T, column tile j;
+    # zeros for rows whose block is < j (that tile is above the diagonal, never written).
+    m_row = 2 * p + offs_r // BLOCK
     ptrs = cb_ptr + cb_base + ((m_row * ROWS + j) * BLOCK + offs_r % BLOCK)[:, None] * BLOCK
     return gl.load(ptrs + offs_k[None, :], mask=(m_row >= j)[:, None], other=0.0)
 
 
 @jit
-def _intra_tile(acc, cb, cum, dts, x_c, j, cum_i, offs_r, offs_k, BLOCK: gl.constexpr):
-    # acc += (C.B^T column tile j, times exp(cum_i - cum_k) dt_k, causal) x_j.
+def _intra_tile(acc, cb, cum, dts, x_c, p, j, cum_i, offs_r, offs_k, BLOCK: gl.constexpr):
+    # acc += (C.B^T tile j of pass p, times exp(cum_i - cum_k) dt_k, causal) x_j.
+    HALF: gl.constexpr = 2 * BLOCK
     cum_k = cum.slice(j * BLOCK, BLOCK).load(offs_k.type.layout)
     dt_k = dts.slice(j * BLOCK, BLOCK).load(offs_k.type.layout)
-    causal = offs_r[:, None] >= (j * BLOCK + offs_k)[None, :]
+    causal = (p * HALF + offs_r)[:, None] >= (j * BLOCK + offs_k)[None, :]
     decay = gl.exp2(gl.where(causal, cum_i[:, None] - cum_k[None, :], -float("inf")))
     a = (cb.to(gl.float32) * decay * dt_k[None, :]).to(cb.dtype)
     acc = warpgroup_mma(a, x_c.slice(j * BLOCK, BLOCK), acc, is_async=True)
@@ -167,30 +168,30 @@ def _ssd_scan_hopper_kernel(
     CHUNK: gl.constexpr, BLOCK: gl.constexpr, P: gl.constexpr, N: gl.constexpr,
 ):  # fmt: skip
     gl.static_assert(CHUNK == 4 * BLOCK, "the copy schedule below is written for 4 row blocks")
-    gl.static_assert(gl.num_warps() == 16)
+    gl.static_assert(gl.num_warps() == 8)
     ROWS: gl.constexpr = CHUNK // BLOCK
-    HALF: gl.constexpr = CHUNK // 2  # rows of a B or C copy
+    HALF: gl.constexpr = CHUNK // 2  # rows of a B or C tile, and of an output pass
     dtype: gl.constexpr = x_ptr.dtype.element_ty
-    # Four warp groups. Phase 1: [P, N] state accumulator, N split four ways (each group
-    # holds the whole x^T operand). Phase 2: [CHUNK, P] outputs, one row block per group.
+    # Phase 1: [P, N] state accumulator, N split over the two warp groups (each holds the
+    # whole x^T operand). Phase 2: [HALF, P] outputs, 64 rows per warp group.
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 4], instr_shape=[16, N // 4, 16]
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, N // 2, 16]
     )
     mma_y: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[16, 1], instr_shape=[16, P, 16]
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, P, 16]
     )
     a_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_s, k_width=2)
     a_y: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_y, k_width=2)
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [16, 1], [1, 0])  # 16-byte copies
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte copies
     x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, P], dtype)
-    bc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, N], dtype)
+    bc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, N], dtype)
     s_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([P, N], dtype)
     vec_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    # x and cum/dt of this chunk and the next; B and C of this chunk, each half of them
-    # taking the next chunk's once its dots are done.
+    # x and cum/dt of this chunk and the next; B rows 0-127, 128-255, C the same (one slot
+    # each: a tile's slot takes the next chunk's tile once its dot is done).
     x_smem = gl.allocate_shared_memory(dtype, [2, CHUNK, P], x_sl)
     vec_smem = gl.allocate_shared_memory(gl.float32, [4, CHUNK], vec_sl)  # cum, dt x 2
-    bc_smem = gl.allocate_shared_memory(dtype, [2, CHUNK, N], bc_sl)  # B, C
+    bc_smem = gl.allocate_shared_memory(dtype, [4, HALF, N], bc_sl)
     s_smem = gl.allocate_shared_memory(dtype, [P, N], s_sl)
 
     head = gl.program_id(0)
@@ -201,8 +202,6 @@ def _ssd_scan_hopper_kernel(
     x_head = x_ptr + head * stride_x_h
     b_group = B_ptr + group * stride_b_g
     c_group = C_ptr + group * stride_c_g
-    b_smem = bc_smem.index(0)
-    c_smem = bc_smem.index(1)
 
     # Prologue: chunk 0's copies, in the order every chunk issues its successor's:
     # x + cum/dt, B rows 0-127, B rows 128-255, C rows 0-127, C rows 128-255 (5 groups).
@@ -215,16 +214,16 @@ def _ssd_scan_hopper_kernel(
     for i in gl.static_range(4):
         src = b_group if i < 2 else c_group
         stride = stride_b_t if i < 2 else stride_c_t
-        dst = b_smem if i < 2 else c_smem
-        _copy_rows(dst.slice((i % 2) * HALF, HALF), src, offs_nc, t0_first, (i % 2) * HALF,
-                   len_first, T, stride, HALF, ld)  # fmt: skip
+        cols = offs_nc
+        _copy_rows(bc_smem.index(i), src, cols, t0_first, (i % 2) * HALF, len_first, T, stride,
+                   HALF, ld)  # fmt: skip
         async_copy.commit_group()
 
     offs_ps = gl.arange(0, P, layout=gl.SliceLayout(1, mma_s))
     offs_ns = gl.arange(0, N, layout=gl.SliceLayout(0, mma_s))
-    offs_ra = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, a_y))
+    offs_ra = gl.arange(0, HALF, layout=gl.SliceLayout(1, a_y))
     offs_ka = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, a_y))
-    offs_ry = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, mma_y))
+    offs_ry = gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_y))
     offs_py = gl.arange(0, P, layout=gl.SliceLayout(0, mma_y))
     state = gl.zeros([P, N], gl.float32, mma_s)
     # Scalars of the current chunk; each iteration loads its successor's.
@@ -250,84 +249,88 @@ def _ssd_scan_hopper_kernel(
         cum = vec_smem.index(2 * buf)
         dts = vec_smem.index(2 * buf + 1)
         x_c = x_smem.index(buf)
-        # NOTE: the slot's pointer tensor is formed at each use: kept live across phase 1
-        # it costs 32 registers and the kernel spills.
+        # This chunk's C.B^T tiles for the first output pass, loaded now for later.
+        cb_base = (c * (H // heads_per_group) + group) * (ROWS * ROWS * BLOCK * BLOCK)
+        cb_00 = _cb_rows(cb_ptr, cb_base, 0, 0, offs_ra, offs_ka, ROWS, BLOCK)
+        cb_01 = _cb_rows(cb_ptr, cb_base, 0, 1, offs_ra, offs_ka, ROWS, BLOCK)
+        state_ptrs = (state_ptr + slot * stride_s_slot + head * stride_s_h
+                      + offs_ps[:, None] * stride_s_p + offs_ns[None, :])  # fmt: skip
         if c == first:
             has_init = gl.load(has_init_ptr + seq) != 0
-            state = gl.load(
-                state_ptr + slot * stride_s_slot + head * stride_s_h
-                + offs_ps[:, None] * stride_s_p + offs_ns[None, :],
-                mask=(offs_ps < P)[:, None] & has_init, other=0.0,
-            ).to(gl.float32)  # fmt: skip
-        s_smem.store(state.to(dtype))  # S_in, the B operand of phase 2's C.S dot
+            state = gl.load(state_ptrs, mask=(offs_ps < P)[:, None] & has_init, other=0.0)
+            state = state.to(gl.float32)
+        s_smem.store(state.to(dtype))  # S_in, the B operand of phase 2's C.S dots
 
-        # 1. S_out = exp(total) S_in + the chunk's contribution, 64 tokens per dot.
+        # 1. S_out = exp(total) S_in + the chunk's contribution.
+        _landed(4)  # x, cum/dt and B rows 0-127 of this chunk
         acc_s = state * gl.exp2(total)
-        for k in gl.static_range(ROWS):
-            if k % 2 == 0:
-                _landed(4)  # (x, cum/dt and) B rows k*64 .. k*64+127 of this chunk
-            weights = gl.exp2(total - cum.slice(k * BLOCK, BLOCK).load(gl.SliceLayout(0, a_s)))
-            weights *= dts.slice(k * BLOCK, BLOCK).load(gl.SliceLayout(0, a_s))
-            xT = x_c.slice(k * BLOCK, BLOCK).permute((1, 0)).load(a_s)
+        for k in gl.static_range(2):
+            if k == 1:
+                _landed(4)  # B rows 128-255
+            weights = gl.exp2(total - cum.slice(k * HALF, HALF).load(gl.SliceLayout(0, a_s)))
+            weights *= dts.slice(k * HALF, HALF).load(gl.SliceLayout(0, a_s))
+            xT = x_c.slice(k * HALF, HALF).permute((1, 0)).load(a_s)
             a = (xT.to(gl.float32) * weights[None, :]).to(dtype)
-            acc_s = warpgroup_mma(a, b_smem.slice(k * BLOCK, BLOCK), acc_s, is_async=True)
+            acc_s = warpgroup_mma(a, bc_smem.index(k), acc_s, is_async=True)
             acc_s, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_s, a))
-            if k % 2 == 1:
-                # This half of B takes the next chunk's.
-                gl.thread_barrier()
-                _copy_rows(b_smem.slice((k // 2) * HALF, HALF), b_group, offs_nc, t0_next,
-                           (k // 2) * HALF,
-                           len_next, T, stride_b_t, HALF, ld)  # fmt: skip
-                async_copy.commit_group()
+            # This B tile's slot takes the next chunk's.
+            gl.thread_barrier()
+            _copy_rows(bc_smem.index(k), b_group, offs_nc, t0_next, k * HALF, len_next, T,
+                       stride_b_t, HALF, ld)  # fmt: skip
+            async_copy.commit_group()
         state = acc_s
         if c + 1 == last:
-            gl.store(
-                state_ptr + slot * stride_s_slot + head * stride_s_h
-                + offs_ps[:, None] * stride_s_p + offs_ns[None, :],
-                state.to(state_ptr.dtype.element_ty),
-            )  # fmt: skip
-        fence_async_shared()  # s_smem (generic stores) before the C.S wgmma
+            gl.store(state_ptrs, state.to(state_ptr.dtype.element_ty))
+        fence_async_shared()  # s_smem (generic stores) before the C.S wgmmas
         gl.thread_barrier()
 
-        # 2. Outputs, all rows, one row block per warp group. The first two C.B^T column
-        #    tiles are loaded now, for after the C.S dot.
-        cb_base = (c * (H // heads_per_group) + group) * (ROWS * ROWS * BLOCK * BLOCK)
-        cb_0 = _cb_rows(cb_ptr, cb_base, 0, offs_ra, offs_ka, ROWS, BLOCK)
-        _landed(3)  # both halves of C
-        acc = warpgroup_mma(c_smem, s_smem.permute((1, 0)),
-                            gl.zeros([CHUNK, P], gl.float32, mma_y), use_acc=False,
-                            is_async=True)  # fmt: skip
-        cum_i = cum.load(gl.SliceLayout(1, a_y))
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        gl.thread_barrier()
-        for h in gl.static_range(2):
-            _copy_rows(c_smem.slice(h * HALF, HALF), c_group, offs_nc, t0_next, h * HALF,
-                       len_next, T, stride_c_t, HALF, ld)  # fmt: skip
+        # 2. Outputs, HALF rows per pass: row blocks 2p (warp group 0) and 2p + 1, each
+        #    pass's C.B^T tiles loaded a phase ahead of their dots.
+        cb_10 = _cb_rows(cb_ptr, cb_base, 1, 0, offs_ra, offs_ka, ROWS, BLOCK)
+        cb_11 = _cb_rows(cb_ptr, cb_base, 1, 1, offs_ra, offs_ka, ROWS, BLOCK)
+        for p in gl.static_range(2):
+            if p == 1:
+                cb_12 = _cb_rows(cb_ptr, cb_base, 1, 2, offs_ra, offs_ka, ROWS, BLOCK)
+                cb_13 = _cb_rows(cb_ptr, cb_base, 1, 3, offs_ra, offs_ka, ROWS, BLOCK)
+            _landed(4)  # C rows of this pass
+            acc = warpgroup_mma(bc_smem.index(2 + p), s_smem.permute((1, 0)),
+                                gl.zeros([HALF, P], gl.float32, mma_y), use_acc=False,
+                                is_async=True)  # fmt: skip
+            cum_i = cum.slice(p * HALF, HALF).load(gl.SliceLayout(1, a_y))
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            gl.thread_barrier()
+            _copy_rows(bc_smem.index(2 + p), c_group, offs_nc, t0_next, p * HALF, len_next, T,
+                       stride_c_t, HALF, ld)  # fmt: skip
             async_copy.commit_group()
-        acc = acc * gl.exp2(cum.load(gl.SliceLayout(1, mma_y)))[:, None]
-        # Column tiles j of C.B^T (rows whose block is < j took zeros), the exact causal
-        # decay; tile j + 1 is loaded before tile j's operand is built.
-        cb_1 = _cb_rows(cb_ptr, cb_base, 1, offs_ra, offs_ka, ROWS, BLOCK)
-        acc = _intra_tile(acc, cb_0, cum, dts, x_c, 0, cum_i, offs_ra, offs_ka, BLOCK)
-        cb_2 = _cb_rows(cb_ptr, cb_base, 2, offs_ra, offs_ka, ROWS, BLOCK)
-        acc = _intra_tile(acc, cb_1, cum, dts, x_c, 1, cum_i, offs_ra, offs_ka, BLOCK)
-        cb_3 = _cb_rows(cb_ptr, cb_base, 3, offs_ra, offs_ka, ROWS, BLOCK)
-        acc = _intra_tile(acc, cb_2, cum, dts, x_c, 2, cum_i, offs_ra, offs_ka, BLOCK)
-        acc = _intra_tile(acc, cb_3, cum, dts, x_c, 3, cum_i, offs_ra, offs_ka, BLOCK)
-        mask_y = (offs_ry < length)[:, None] & (offs_py < P)[None, :]
-        if HAS_D:
-            acc += gl.load(D_ptr + head).to(gl.float32) * x_c.load(mma_y).to(gl.float32)
-        if HAS_Z:
-            zg = gl.load(
-                z_ptr + (t0 + offs_ry)[:, None] * stride_z_t + head * stride_z_h
+            cum_y = cum.slice(p * HALF, HALF).load(gl.SliceLayout(1, mma_y))
+            acc = acc * gl.exp2(cum_y)[:, None]
+            # Tiles j = 0..2p+1 of C.B^T for the pass's rows (rows whose block is < j
+            # took zeros), with the exact causal decay.
+            if p == 0:
+                acc = _intra_tile(acc, cb_00, cum, dts, x_c, 0, 0, cum_i, offs_ra, offs_ka, BLOCK)
+                acc = _intra_tile(acc, cb_01, cum, dts, x_c, 0, 1, cum_i, offs_ra, offs_ka, BLOCK)
+            else:
+                acc = _intra_tile(acc, cb_10, cum, dts, x_c, 1, 0, cum_i, offs_ra, offs_ka, BLOCK)
+                acc = _intra_tile(acc, cb_11, cum, dts, x_c, 1, 1, cum_i, offs_ra, offs_ka, BLOCK)
+                acc = _intra_tile(acc, cb_12, cum, dts, x_c, 1, 2, cum_i, offs_ra, offs_ka, BLOCK)
+                acc = _intra_tile(acc, cb_13, cum, dts, x_c, 1, 3, cum_i, offs_ra, offs_ka, BLOCK)
+            rows_y = p * HALF + offs_ry
+            mask_y = (rows_y < length)[:, None] & (offs_py < P)[None, :]
+            if HAS_D:
+                x_rows = x_c.slice(p * HALF, HALF).load(mma_y).to(gl.float32)
+                acc += gl.load(D_ptr + head).to(gl.float32) * x_rows
+            if HAS_Z:
+                zg = gl.load(
+                    z_ptr + (t0 + rows_y)[:, None] * stride_z_t + head * stride_z_h
+                    + offs_py[None, :],
+                    mask=mask_y, other=0.0,
+                ).to(gl.float32)  # fmt: skip
+                acc *= zg / (1.0 + gl.exp(-zg))
+            gl.store(
+                y_ptr + (t0 + rows_y)[:, None] * stride_y_t + head * stride_y_h
                 + offs_py[None, :],
-                mask=mask_y, other=0.0,
-            ).to(gl.float32)  # fmt: skip
-            acc *= zg / (1.0 + gl.exp(-zg))
-        gl.store(
-            y_ptr + (t0 + offs_ry)[:, None] * stride_y_t + head * stride_y_h + offs_py[None, :],
-            acc.to(y_ptr.dtype.element_ty), mask=mask_y,
-        )  # fmt: skip
+                acc.to(y_ptr.dtype.element_ty), mask=mask_y,
+            )  # fmt: skip
         t0, length, seq, first, last, slot, total = (
             t0_next, len_next, seq_next, first_next, last_next, slot_next, total_next
         )  # fmt: skip
