@@ -124,13 +124,23 @@ def hopper_kernel_report(N: int, has_z: bool) -> str:
 
     fn = hopper._ssd_scan_hopper_kernel
     constexprs = dict(HAS_D=True, HAS_Z=has_z, CHUNK=hopper.CHUNK, BLOCK=hopper.BLOCK, P=64, N=N)
+    import triton.experimental.gluon.language as gl
+
+    def desc(rows: int, cols: int) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {cols}],{layout!r}>"
+
+    descs = {"x_desc": desc(hopper.CHUNK, 64), "b_desc": desc(hopper.CHUNK // 2, N),
+             "c_desc": desc(hopper.CHUNK // 2, N)}  # fmt: skip
     sig: dict[str, str] = {}
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name in ("x_ptr", "B_ptr", "C_ptr", "z_ptr", "y_ptr", "cb_ptr"):
+        elif name in descs:
+            sig[name] = descs[name]
+        elif name in ("z_ptr", "y_ptr", "cb_ptr"):
             sig[name] = "*bf16"
-        elif name in ("state_ptr", "ring_ptr", "D_ptr", "dt_buf_ptr", "cum_buf_ptr"):
+        elif name in ("state_ptr", "D_ptr", "dt_buf_ptr", "cum_buf_ptr"):
             sig[name] = "*fp32"
         elif name.endswith("_ptr"):
             sig[name] = "*i8" if name == "has_init_ptr" else "*i32"

@@ -36,9 +36,12 @@ if HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
+        mbarrier,
+        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     jit = gluon.jit
 else:  # definitions only; hopper_scan_usable() is False and nothing launches
@@ -81,21 +84,18 @@ def hopper_scan_usable(
     tensors = [x, B, C, y] + ([z] if z is not None else [])
     if any(t.stride(2) != 1 for t in tensors) or ssm_state.stride(3) != 1:
         return False
+    if x.stride(1) != x.shape[2] or B.stride(1) != B.shape[2] or C.stride(1) != C.shape[2]:
+        return False  # the TMA copies view x, B and C as [T, heads * dim]
     copied = [x, B, C]
     return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0
                for t in copied)  # fmt: skip
 
 
 @jit
-def _copy_rows(smem, base_ptr, cols, t0, row0, length, T, stride_t, ROWS_: gl.constexpr,
-               layout: gl.constexpr):  # fmt: skip
-    # cp.async of rows row0..row0+ROWS_ of a chunk into smem. Rows past the chunk's end
-    # repeat its last token (masked copies did not compile here); they only meet zero
-    # weights (dt = 0 past the end), zero C.B^T columns, or outputs that are not stored.
-    # The clamp to T - 1 covers an empty sequence's chunk.
-    offs = gl.arange(0, ROWS_, layout=gl.SliceLayout(1, layout))
-    rows = gl.minimum(t0 + gl.minimum(row0 + offs, gl.maximum(length - 1, 0)), T - 1)
-    async_copy.async_copy_global_to_shared(smem, base_ptr + cols[None, :] + rows[:, None] * stride_t)
+def _tma_copy(desc, row, col, bar, smem):
+    # One TMA copy of desc's block at (row, col) into smem, signalling bar when it lands.
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row, col], bar, smem)
 
 
 @jit
@@ -147,21 +147,11 @@ def _intra_tile(acc, cb, cum, dts, x_c, p, j, cum_i, offs_r, offs_k, BLOCK: gl.c
 
 
 @jit
-def _landed(num_outstanding: gl.constexpr):
-    # This thread's copies but the last num_outstanding groups have landed; then every
-    # thread's, visible to the wgmma (async proxy).
-    async_copy.wait_group(num_outstanding)
-    fence_async_shared()
-    gl.thread_barrier()
-
-
-@jit
 def _ssd_scan_hopper_kernel(
-    x_ptr, B_ptr, C_ptr, z_ptr, D_ptr, y_ptr, cb_ptr, dt_buf_ptr, cum_buf_ptr,
+    x_desc, b_desc, c_desc, z_ptr, D_ptr, y_ptr, cb_ptr, dt_buf_ptr, cum_buf_ptr,
     chunk_start_ptr, chunk_len_ptr, chunk_seq_ptr, seq_first_chunk_ptr, num_seqs,
     state_slots_ptr, has_init_ptr, state_ptr,
     T, H, heads_per_group,
-    stride_x_t, stride_x_h, stride_b_t, stride_b_g, stride_c_t, stride_c_g,
     stride_z_t, stride_z_h, stride_y_t, stride_y_h,
     stride_s_slot, stride_s_h, stride_s_p,
     HAS_D: gl.constexpr, HAS_Z: gl.constexpr,
@@ -169,9 +159,10 @@ def _ssd_scan_hopper_kernel(
 ):  # fmt: skip
     gl.static_assert(CHUNK == 4 * BLOCK, "the copy schedule below is written for 4 row blocks")
     gl.static_assert(gl.num_warps() == 8)
+    gl.static_assert(x_desc.block_type.shape[0] == CHUNK)
     ROWS: gl.constexpr = CHUNK // BLOCK
     HALF: gl.constexpr = CHUNK // 2  # rows of a B or C tile, and of an output pass
-    dtype: gl.constexpr = x_ptr.dtype.element_ty
+    dtype: gl.constexpr = x_desc.dtype
     # Phase 1: [P, N] state accumulator, N split over the two warp groups (each holds the
     # whole x^T operand). Phase 2: [HALF, P] outputs, 64 rows per warp group.
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(
@@ -183,41 +174,39 @@ def _ssd_scan_hopper_kernel(
     a_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_s, k_width=2)
     a_y: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_y, k_width=2)
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte copies
-    x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CHUNK, P], dtype)
-    bc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, N], dtype)
     s_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([P, N], dtype)
     vec_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     # x and cum/dt of this chunk and the next; B rows 0-127, 128-255, C the same (one slot
     # each: a tile's slot takes the next chunk's tile once its dot is done).
-    x_smem = gl.allocate_shared_memory(dtype, [2, CHUNK, P], x_sl)
+    x_smem = gl.allocate_shared_memory(dtype, [2, CHUNK, P], x_desc.layout)
     vec_smem = gl.allocate_shared_memory(gl.float32, [4, CHUNK], vec_sl)  # cum, dt x 2
-    bc_smem = gl.allocate_shared_memory(dtype, [4, HALF, N], bc_sl)
+    bc_smem = gl.allocate_shared_memory(dtype, [4, HALF, N], b_desc.layout)
     s_smem = gl.allocate_shared_memory(dtype, [P, N], s_sl)
+    # Copies of x and of the B and C tiles come by TMA, each signalling its slot's barrier:
+    # x buffers 0, 1, then B/C slots 0..3.
+    bars = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(6):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
 
     head = gl.program_id(0)
     group = head // heads_per_group
     num_chunks = gl.load(seq_first_chunk_ptr + num_seqs)
-    offs_pc = gl.arange(0, P, layout=gl.SliceLayout(0, ld))
-    offs_nc = gl.arange(0, N, layout=gl.SliceLayout(0, ld))
-    x_head = x_ptr + head * stride_x_h
-    b_group = B_ptr + group * stride_b_g
-    c_group = C_ptr + group * stride_c_g
+    x_col = head * P
+    bc_col = group * N
 
-    # Prologue: chunk 0's copies, in the order every chunk issues its successor's:
-    # x + cum/dt, B rows 0-127, B rows 128-255, C rows 0-127, C rows 128-255 (5 groups).
-    t0_first = gl.load(chunk_start_ptr).to(gl.int64)
-    len_first = gl.load(chunk_len_ptr)
-    _copy_rows(x_smem.index(0), x_head, offs_pc, t0_first, 0, len_first, T, stride_x_t, CHUNK, ld)
+    # Prologue: chunk 0's copies. Rows past a chunk's end are the next sequence's tokens
+    # (or zeros past T): they only meet zero weights (dt = 0 past the end), zero C.B^T
+    # columns, or outputs that are not stored.
+    t0_first = gl.load(chunk_start_ptr).to(gl.int32)
+    _tma_copy(x_desc, t0_first, x_col, bars.index(0), x_smem.index(0))
     _copy_chunk_vectors(vec_smem.index(0), vec_smem.index(1), cum_buf_ptr, dt_buf_ptr,
                         head * CHUNK, CHUNK)  # fmt: skip
     async_copy.commit_group()
     for i in gl.static_range(4):
-        src = b_group if i < 2 else c_group
-        stride = stride_b_t if i < 2 else stride_c_t
-        cols = offs_nc
-        _copy_rows(bc_smem.index(i), src, cols, t0_first, (i % 2) * HALF, len_first, T, stride,
-                   HALF, ld)  # fmt: skip
-        async_copy.commit_group()
+        desc = b_desc if i < 2 else c_desc
+        _tma_copy(desc, t0_first + (i % 2) * HALF, bc_col, bars.index(2 + i), bc_smem.index(i))
 
     offs_ps = gl.arange(0, P, layout=gl.SliceLayout(1, mma_s))
     offs_ns = gl.arange(0, N, layout=gl.SliceLayout(0, mma_s))
@@ -241,8 +230,7 @@ def _ssd_scan_hopper_kernel(
             _chunk_scalars(c_next, H, head, CHUNK, chunk_start_ptr, chunk_len_ptr,
                            chunk_seq_ptr, seq_first_chunk_ptr, state_slots_ptr, cum_buf_ptr)
         )  # fmt: skip
-        _copy_rows(x_smem.index(1 - buf), x_head, offs_pc, t0_next, 0, len_next, T, stride_x_t,
-                   CHUNK, ld)  # fmt: skip
+        _tma_copy(x_desc, t0_next.to(gl.int32), x_col, bars.index(1 - buf), x_smem.index(1 - buf))
         _copy_chunk_vectors(vec_smem.index(2 - 2 * buf), vec_smem.index(3 - 2 * buf),
                             cum_buf_ptr, dt_buf_ptr, (c_next * H + head) * CHUNK, CHUNK)  # fmt: skip
         async_copy.commit_group()
@@ -262,11 +250,12 @@ def _ssd_scan_hopper_kernel(
         s_smem.store(state.to(dtype))  # S_in, the B operand of phase 2's C.S dots
 
         # 1. S_out = exp(total) S_in + the chunk's contribution.
-        _landed(4)  # x, cum/dt and B rows 0-127 of this chunk
+        async_copy.wait_group(1)  # this chunk's cum/dt (this thread's part) ...
+        gl.thread_barrier()  # ... and every thread's
+        mbarrier.wait(bars.index(buf), (c // 2) % 2)  # x
         acc_s = state * gl.exp2(total)
         for k in gl.static_range(2):
-            if k == 1:
-                _landed(4)  # B rows 128-255
+            mbarrier.wait(bars.index(2 + k), c % 2)  # B rows k*128 .. k*128+127
             weights = gl.exp2(total - cum.slice(k * HALF, HALF).load(gl.SliceLayout(0, a_s)))
             weights *= dts.slice(k * HALF, HALF).load(gl.SliceLayout(0, a_s))
             xT = x_c.slice(k * HALF, HALF).permute((1, 0)).load(a_s)
@@ -275,9 +264,8 @@ def _ssd_scan_hopper_kernel(
             acc_s, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_s, a))
             # This B tile's slot takes the next chunk's.
             gl.thread_barrier()
-            _copy_rows(bc_smem.index(k), b_group, offs_nc, t0_next, k * HALF, len_next, T,
-                       stride_b_t, HALF, ld)  # fmt: skip
-            async_copy.commit_group()
+            _tma_copy(b_desc, t0_next.to(gl.int32) + k * HALF, bc_col, bars.index(2 + k),
+                      bc_smem.index(k))  # fmt: skip
         state = acc_s
         if c + 1 == last:
             gl.store(state_ptrs, state.to(state_ptr.dtype.element_ty))
@@ -292,16 +280,15 @@ def _ssd_scan_hopper_kernel(
             if p == 1:
                 cb_12 = _cb_rows(cb_ptr, cb_base, 1, 2, offs_ra, offs_ka, ROWS, BLOCK)
                 cb_13 = _cb_rows(cb_ptr, cb_base, 1, 3, offs_ra, offs_ka, ROWS, BLOCK)
-            _landed(4)  # C rows of this pass
+            mbarrier.wait(bars.index(4 + p), c % 2)  # C rows of this pass
             acc = warpgroup_mma(bc_smem.index(2 + p), s_smem.permute((1, 0)),
                                 gl.zeros([HALF, P], gl.float32, mma_y), use_acc=False,
                                 is_async=True)  # fmt: skip
             cum_i = cum.slice(p * HALF, HALF).load(gl.SliceLayout(1, a_y))
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             gl.thread_barrier()
-            _copy_rows(bc_smem.index(2 + p), c_group, offs_nc, t0_next, p * HALF, len_next, T,
-                       stride_c_t, HALF, ld)  # fmt: skip
-            async_copy.commit_group()
+            _tma_copy(c_desc, t0_next.to(gl.int32) + p * HALF, bc_col, bars.index(4 + p),
+                      bc_smem.index(2 + p))  # fmt: skip
             cum_y = cum.slice(p * HALF, HALF).load(gl.SliceLayout(1, mma_y))
             acc = acc * gl.exp2(cum_y)[:, None]
             # Tiles j = 0..2p+1 of C.B^T for the pass's rows (rows whose block is < j
@@ -334,8 +321,14 @@ def _ssd_scan_hopper_kernel(
         t0, length, seq, first, last, slot, total = (
             t0_next, len_next, seq_next, first_next, last_next, slot_next, total_next
         )  # fmt: skip
-    # No copy may land after the program exits.
+    # No copy may land after the program exits: the last iteration's, for a chunk past
+    # the last, are waited for.
     async_copy.wait_group(0)
+    mbarrier.wait(bars.index(num_chunks % 2), (num_chunks // 2) % 2)
+    for i in gl.static_range(4):
+        mbarrier.wait(bars.index(2 + i), num_chunks % 2)
+    for i in gl.static_range(6):
+        mbarrier.invalidate(bars.index(i))
 
 
 def launch_hopper_scan(
@@ -347,14 +340,20 @@ def launch_hopper_scan(
     head. `layout` is ssd_scan._chunk_layout's."""
     T, H, P = x.shape
     G, N = B.shape[1:]
+    bf16 = gl.bfloat16
+    # 2-D views [T, heads * dim] (hopper_scan_usable checked the heads are contiguous).
+    x_desc = TensorDescriptor(x, [T, H * P], [x.stride(0), 1], [CHUNK, P],
+                              gl.NVMMASharedLayout.get_default_for([CHUNK, P], bf16))  # fmt: skip
+    bc_layout = gl.NVMMASharedLayout.get_default_for([CHUNK // 2, N], bf16)
+    b_desc = TensorDescriptor(B, [T, G * N], [B.stride(0), 1], [CHUNK // 2, N], bc_layout)
+    c_desc = TensorDescriptor(C, [T, G * N], [C.stride(0), 1], [CHUNK // 2, N], bc_layout)
     z_strides = z.stride()[:2] if z is not None else (0, 0)
     _ssd_scan_hopper_kernel[(H,)](
-        x, B, C, z, D, y, cb, layout["dt"], layout["cum"],
+        x_desc, b_desc, c_desc, z, D, y, cb, layout["dt"], layout["cum"],
         layout["chunk_start"], layout["chunk_len"], layout["chunk_seq"],
         layout["seq_first_chunk"], state_slots.shape[0],
         state_slots, has_initial_state.to(torch.int8), ssm_state,
         T, H, H // G,
-        x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
         *z_strides, y.stride(0), y.stride(1),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
         HAS_D=D is not None, HAS_Z=z is not None, CHUNK=CHUNK, BLOCK=BLOCK, P=P, N=N,
