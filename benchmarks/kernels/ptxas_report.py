@@ -130,8 +130,8 @@ def hopper_kernel_report(N: int, has_z: bool) -> str:
         layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
         return f"tensordesc<bf16[{rows}, {cols}],{layout!r}>"
 
-    descs = {"x_desc": desc(hopper.CHUNK // 2, 64), "b_desc": desc(hopper.CHUNK, N),
-             "c_desc": desc(hopper.CHUNK, N)}  # fmt: skip
+    descs = {"x_desc": desc(hopper.CHUNK, 64), "b_desc": desc(hopper.CHUNK // 2, N),
+             "c_desc": desc(hopper.CHUNK // 2, N)}  # fmt: skip
     sig: dict[str, str] = {}
     for name in fn.arg_names:
         if name in constexprs:

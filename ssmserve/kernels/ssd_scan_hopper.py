@@ -68,7 +68,7 @@ def hopper_scan_usable(
     unit strides on the last dims, and 16-byte aligned rows for its 16-byte copies (row
     and head strides multiples of 16 elements, as Triton's launcher specialises them).
     Off unless SSMSERVE_SSD_GLUON=1: on the H200 this kernel is correct but still slower
-    than the Triton-language one (1.73 against 1.53 ms at 32k tokens, Bamba-9B dims; 1.73
+    than the Triton-language one (1.66 against 1.53 ms at 32k tokens, Bamba-9B dims; 1.65
     against 0.99 at Mamba2-2.7B's 80 heads, which leave 52 SMs idle). It is kept for the
     work that continues it: docs/kernels_notes.md, fourth session, says where its time
     goes.
@@ -107,14 +107,11 @@ def _copy_chunk_vectors(cum_smem, dt_smem, cum_buf_ptr, dt_buf_ptr, base, CHUNK:
 
 
 @jit
-def _chunk_scalars(c, H, head, CHUNK: gl.constexpr, BLOCK: gl.constexpr, chunk_start_ptr,
-                   chunk_len_ptr, chunk_seq_ptr, seq_first_chunk_ptr, state_slots_ptr,
-                   cum_buf_ptr):  # fmt: skip
+def _chunk_scalars(c, H, head, CHUNK: gl.constexpr, chunk_start_ptr, chunk_len_ptr,
+                   chunk_seq_ptr, seq_first_chunk_ptr, state_slots_ptr, cum_buf_ptr):  # fmt: skip
     # Chunk c's first token, length, sequence, the sequence's first and last chunk ids + 1,
-    # its state slot, and cum at the end of each of its 4 row blocks (the last: the
-    # chunk's total decay).
+    # its state slot, and the chunk's total decay (cum at its last position).
     seq = gl.load(chunk_seq_ptr + c)
-    cum_c = cum_buf_ptr + (c * H + head) * CHUNK + BLOCK - 1
     return (
         gl.load(chunk_start_ptr + c).to(gl.int64),
         gl.load(chunk_len_ptr + c),
@@ -122,53 +119,8 @@ def _chunk_scalars(c, H, head, CHUNK: gl.constexpr, BLOCK: gl.constexpr, chunk_s
         gl.load(seq_first_chunk_ptr + seq),
         gl.load(seq_first_chunk_ptr + seq + 1),
         gl.load(state_slots_ptr + seq).to(gl.int64),
-        gl.load(cum_c),
-        gl.load(cum_c + BLOCK),
-        gl.load(cum_c + 2 * BLOCK),
-        gl.load(cum_c + 3 * BLOCK),
+        gl.load(cum_buf_ptr + (c * H + head) * CHUNK + CHUNK - 1),
     )
-
-
-@jit
-def _scale_rows_to(dst, src, cum, dts, j, ref_j, BLOCK: gl.constexpr, layout: gl.constexpr):
-    # dst = x rows of row block j times exp(ref_j - cum_k) dt_k (ref_j = cum at the
-    # block's last token, so the exponent is <= 0): the decays of the block's tokens up to
-    # its end, carried by x instead of by the C.B^T or x^T operand.
-    k = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
-    w = gl.exp2(ref_j - cum.slice(j * BLOCK, BLOCK).load(k.type.layout))
-    w *= dts.slice(j * BLOCK, BLOCK).load(k.type.layout)
-    rows = src.slice(j * BLOCK, BLOCK).load(layout).to(gl.float32)
-    dst.slice(j * BLOCK, BLOCK).store((rows * w[:, None]).to(dst.dtype))
-
-
-@jit
-def _mma(a, b, acc):
-    # acc + a @ b, waited for (one dot in flight at a time).
-    acc = warpgroup_mma(a, b, acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    return acc
-
-
-@jit
-def _mma_reg(a, b, acc):
-    # The same with a in registers (kept alive until the dot is done).
-    acc = warpgroup_mma(a, b, acc, is_async=True)
-    acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
-    return acc
-
-
-@jit
-def _exact_tile(acc, cb, cum, dts, x_c, p, j, cum_i, offs_r, offs_k, BLOCK: gl.constexpr):
-    # acc += (C.B^T column tile j for pass p's rows, times the exact causal decay
-    # exp(cum_i - cum_k) dt_k) x_j; -inf above the diagonal before the exp (the exponent
-    # is positive there and may overflow).
-    HALF: gl.constexpr = 2 * BLOCK
-    cum_k = cum.slice(j * BLOCK, BLOCK).load(offs_k.type.layout)
-    dt_k = dts.slice(j * BLOCK, BLOCK).load(offs_k.type.layout)
-    causal = (p * HALF + offs_r)[:, None] >= (j * BLOCK + offs_k)[None, :]
-    decay = gl.exp2(gl.where(causal, cum_i[:, None] - cum_k[None, :], -float("inf")))
-    a = (cb.to(gl.float32) * decay * dt_k[None, :]).to(cb.dtype)
-    return _mma_reg(a, x_c.slice(j * BLOCK, BLOCK), acc)
 
 
 @jit
@@ -178,6 +130,20 @@ def _cb_rows(cb_ptr, cb_base, p, j, offs_r, offs_k, ROWS: gl.constexpr, BLOCK: g
     m_row = 2 * p + offs_r // BLOCK
     ptrs = cb_ptr + cb_base + ((m_row * ROWS + j) * BLOCK + offs_r % BLOCK)[:, None] * BLOCK
     return gl.load(ptrs + offs_k[None, :], mask=(m_row >= j)[:, None], other=0.0)
+
+
+@jit
+def _intra_tile(acc, cb, cum, dts, x_c, p, j, cum_i, offs_r, offs_k, BLOCK: gl.constexpr):
+    # acc += (C.B^T tile j of pass p, times exp(cum_i - cum_k) dt_k, causal) x_j.
+    HALF: gl.constexpr = 2 * BLOCK
+    cum_k = cum.slice(j * BLOCK, BLOCK).load(offs_k.type.layout)
+    dt_k = dts.slice(j * BLOCK, BLOCK).load(offs_k.type.layout)
+    causal = (p * HALF + offs_r)[:, None] >= (j * BLOCK + offs_k)[None, :]
+    decay = gl.exp2(gl.where(causal, cum_i[:, None] - cum_k[None, :], -float("inf")))
+    a = (cb.to(gl.float32) * decay * dt_k[None, :]).to(cb.dtype)
+    acc = warpgroup_mma(a, x_c.slice(j * BLOCK, BLOCK), acc, is_async=True)
+    acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
+    return acc
 
 
 @jit
@@ -191,33 +157,35 @@ def _ssd_scan_hopper_kernel(
     HAS_D: gl.constexpr, HAS_Z: gl.constexpr,
     CHUNK: gl.constexpr, BLOCK: gl.constexpr, P: gl.constexpr, N: gl.constexpr,
 ):  # fmt: skip
-    gl.static_assert(CHUNK == 4 * BLOCK, "written for 4 row blocks per chunk")
+    gl.static_assert(CHUNK == 4 * BLOCK, "the copy schedule below is written for 4 row blocks")
     gl.static_assert(gl.num_warps() == 8)
+    gl.static_assert(x_desc.block_type.shape[0] == CHUNK)
     ROWS: gl.constexpr = CHUNK // BLOCK
-    HALF: gl.constexpr = CHUNK // 2  # rows of an x copy, and of an output pass
+    HALF: gl.constexpr = CHUNK // 2  # rows of a B or C tile, and of an output pass
     dtype: gl.constexpr = x_desc.dtype
-    # Phase 1: [P, N] state accumulator, N split over the two warp groups. Phase 2:
-    # [HALF, P] outputs, one 64-row block per warp group.
+    # Phase 1: [P, N] state accumulator, N split over the two warp groups (each holds the
+    # whole x^T operand). Phase 2: [HALF, P] outputs, 64 rows per warp group.
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, N // 2, 16]
     )
     mma_y: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, P, 16]
     )
+    a_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_s, k_width=2)
     a_y: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_y, k_width=2)
-    rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])  # x rows
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte copies
     s_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([P, N], dtype)
     vec_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    # x of the chunk, x with its decays (xw), B, C; S_in; cum/dt of this chunk and the next.
-    x_smem = gl.allocate_shared_memory(dtype, [CHUNK, P], x_desc.layout)
-    xw_smem = gl.allocate_shared_memory(dtype, [CHUNK, P], x_desc.layout)
-    b_smem = gl.allocate_shared_memory(dtype, [CHUNK, N], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(dtype, [CHUNK, N], c_desc.layout)
-    s_smem = gl.allocate_shared_memory(dtype, [P, N], s_sl)
+    # x and cum/dt of this chunk and the next; B rows 0-127, 128-255, C the same (one slot
+    # each: a tile's slot takes the next chunk's tile once its dot is done).
+    x_smem = gl.allocate_shared_memory(dtype, [2, CHUNK, P], x_desc.layout)
     vec_smem = gl.allocate_shared_memory(gl.float32, [4, CHUNK], vec_sl)  # cum, dt x 2
-    # TMA barriers: x rows 0-127, x rows 128-255, B, C; each completes once per chunk.
-    bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(4):
+    bc_smem = gl.allocate_shared_memory(dtype, [4, HALF, N], b_desc.layout)
+    s_smem = gl.allocate_shared_memory(dtype, [P, N], s_sl)
+    # Copies of x and of the B and C tiles come by TMA, each signalling its slot's barrier:
+    # x buffers 0, 1, then B/C slots 0..3.
+    bars = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(6):
         mbarrier.init(bars.index(i), count=1)
     fence_async_shared()
     gl.thread_barrier()
@@ -227,126 +195,117 @@ def _ssd_scan_hopper_kernel(
     num_chunks = gl.load(seq_first_chunk_ptr + num_seqs)
     x_col = head * P
     bc_col = group * N
+
     # Prologue: chunk 0's copies. Rows past a chunk's end are the next sequence's tokens
     # (or zeros past T): they only meet zero weights (dt = 0 past the end), zero C.B^T
     # columns, or outputs that are not stored.
     t0_first = gl.load(chunk_start_ptr).to(gl.int32)
-    _tma_copy(x_desc, t0_first, x_col, bars.index(0), x_smem.slice(0, HALF))
-    _tma_copy(x_desc, t0_first + HALF, x_col, bars.index(1), x_smem.slice(HALF, HALF))
-    _tma_copy(b_desc, t0_first, bc_col, bars.index(2), b_smem)
-    _tma_copy(c_desc, t0_first, bc_col, bars.index(3), c_smem)
+    _tma_copy(x_desc, t0_first, x_col, bars.index(0), x_smem.index(0))
     _copy_chunk_vectors(vec_smem.index(0), vec_smem.index(1), cum_buf_ptr, dt_buf_ptr,
                         head * CHUNK, CHUNK)  # fmt: skip
     async_copy.commit_group()
+    for i in gl.static_range(4):
+        desc = b_desc if i < 2 else c_desc
+        _tma_copy(desc, t0_first + (i % 2) * HALF, bc_col, bars.index(2 + i), bc_smem.index(i))
 
     offs_ps = gl.arange(0, P, layout=gl.SliceLayout(1, mma_s))
     offs_ns = gl.arange(0, N, layout=gl.SliceLayout(0, mma_s))
     offs_ra = gl.arange(0, HALF, layout=gl.SliceLayout(1, a_y))
-    offs_kb = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, a_y))
+    offs_ka = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, a_y))
     offs_ry = gl.arange(0, HALF, layout=gl.SliceLayout(1, mma_y))
     offs_py = gl.arange(0, P, layout=gl.SliceLayout(0, mma_y))
     state = gl.zeros([P, N], gl.float32, mma_s)
     # Scalars of the current chunk; each iteration loads its successor's.
-    t0, length, seq, first, last, slot, ref0, ref1, ref2, total = _chunk_scalars(
-        0, H, head, CHUNK, BLOCK, chunk_start_ptr, chunk_len_ptr, chunk_seq_ptr,
-        seq_first_chunk_ptr, state_slots_ptr, cum_buf_ptr,
+    t0, length, seq, first, last, slot, total = _chunk_scalars(
+        0, H, head, CHUNK, chunk_start_ptr, chunk_len_ptr, chunk_seq_ptr, seq_first_chunk_ptr,
+        state_slots_ptr, cum_buf_ptr,
     )  # fmt: skip
     for c in range(0, num_chunks):
         buf = c % 2
-        phase = c % 2
+        # Every warp is done with the previous chunk's x and cum/dt (buffer 1 - buf).
+        gl.thread_barrier()
+        # The next chunk's copies go first.
         c_next = gl.minimum(c + 1, num_chunks - 1)  # past the last: a harmless repeat
-        t0_n, len_n, seq_n, first_n, last_n, slot_n, ref0_n, ref1_n, ref2_n, total_n = (
-            _chunk_scalars(c_next, H, head, CHUNK, BLOCK, chunk_start_ptr, chunk_len_ptr,
+        t0_next, len_next, seq_next, first_next, last_next, slot_next, total_next = (
+            _chunk_scalars(c_next, H, head, CHUNK, chunk_start_ptr, chunk_len_ptr,
                            chunk_seq_ptr, seq_first_chunk_ptr, state_slots_ptr, cum_buf_ptr)
         )  # fmt: skip
-        row_n = t0_n.to(gl.int32)
-        # Every warp is done with the previous chunk's cum/dt (buffer 1 - buf).
-        gl.thread_barrier()
+        _tma_copy(x_desc, t0_next.to(gl.int32), x_col, bars.index(1 - buf), x_smem.index(1 - buf))
         _copy_chunk_vectors(vec_smem.index(2 - 2 * buf), vec_smem.index(3 - 2 * buf),
                             cum_buf_ptr, dt_buf_ptr, (c_next * H + head) * CHUNK, CHUNK)  # fmt: skip
         async_copy.commit_group()
         cum = vec_smem.index(2 * buf)
         dts = vec_smem.index(2 * buf + 1)
+        x_c = x_smem.index(buf)
+        # This chunk's C.B^T tiles for the first output pass, loaded now for later.
         cb_base = (c * (H // heads_per_group) + group) * (ROWS * ROWS * BLOCK * BLOCK)
+        cb_00 = _cb_rows(cb_ptr, cb_base, 0, 0, offs_ra, offs_ka, ROWS, BLOCK)
+        cb_01 = _cb_rows(cb_ptr, cb_base, 0, 1, offs_ra, offs_ka, ROWS, BLOCK)
+        state_ptrs = (state_ptr + slot * stride_s_slot + head * stride_s_h
+                      + offs_ps[:, None] * stride_s_p + offs_ns[None, :])  # fmt: skip
         if c == first:
             has_init = gl.load(has_init_ptr + seq) != 0
-            state = gl.load(
-                state_ptr + slot * stride_s_slot + head * stride_s_h
-                + offs_ps[:, None] * stride_s_p + offs_ns[None, :],
-                mask=(offs_ps < P)[:, None] & has_init, other=0.0,
-            ).to(gl.float32)  # fmt: skip
+            state = gl.load(state_ptrs, mask=(offs_ps < P)[:, None] & has_init, other=0.0)
+            state = state.to(gl.float32)
         s_smem.store(state.to(dtype))  # S_in, the B operand of phase 2's C.S dots
+
+        # 1. S_out = exp(total) S_in + the chunk's contribution.
         async_copy.wait_group(1)  # this chunk's cum/dt (this thread's part) ...
         gl.thread_barrier()  # ... and every thread's
-
-        # 1. x with its decays to each row block's end (xw), then
-        #    S_out = exp(total) S_in + sum_j exp(total - ref_j) xw_j^T B_j, by Horner:
-        #    acc = exp(ref_0) S_in + xw_0^T B_0, then acc = exp(ref_j - ref_{j-1}) acc +
-        #    xw_j^T B_j; ref_3 = total.
-        mbarrier.wait(bars.index(0), phase)  # x rows 0-127
-        _scale_rows_to(xw_smem, x_smem, cum, dts, 0, ref0, BLOCK, rows_l)
-        _scale_rows_to(xw_smem, x_smem, cum, dts, 1, ref1, BLOCK, rows_l)
-        mbarrier.wait(bars.index(1), phase)  # x rows 128-255
-        _scale_rows_to(xw_smem, x_smem, cum, dts, 2, ref2, BLOCK, rows_l)
-        _scale_rows_to(xw_smem, x_smem, cum, dts, 3, total, BLOCK, rows_l)
-        fence_async_shared()  # xw and s_smem (generic stores) before the wgmmas
-        gl.thread_barrier()
-        mbarrier.wait(bars.index(2), phase)  # B
-        acc_s = state * gl.exp2(ref0)
-        acc_s = _mma(xw_smem.slice(0, BLOCK).permute((1, 0)), b_smem.slice(0, BLOCK), acc_s)
-        acc_s = acc_s * gl.exp2(ref1 - ref0)
-        acc_s = _mma(xw_smem.slice(BLOCK, BLOCK).permute((1, 0)), b_smem.slice(BLOCK, BLOCK),
-                     acc_s)  # fmt: skip
-        acc_s = acc_s * gl.exp2(ref2 - ref1)
-        acc_s = _mma(xw_smem.slice(2 * BLOCK, BLOCK).permute((1, 0)),
-                     b_smem.slice(2 * BLOCK, BLOCK), acc_s)  # fmt: skip
-        acc_s = acc_s * gl.exp2(total - ref2)
-        acc_s = _mma(xw_smem.slice(3 * BLOCK, BLOCK).permute((1, 0)),
-                     b_smem.slice(3 * BLOCK, BLOCK), acc_s)  # fmt: skip
+        mbarrier.wait(bars.index(buf), (c // 2) % 2)  # x
+        acc_s = state * gl.exp2(total)
+        for k in gl.static_range(2):
+            mbarrier.wait(bars.index(2 + k), c % 2)  # B rows k*128 .. k*128+127
+            weights = gl.exp2(total - cum.slice(k * HALF, HALF).load(gl.SliceLayout(0, a_s)))
+            weights *= dts.slice(k * HALF, HALF).load(gl.SliceLayout(0, a_s))
+            xT = x_c.slice(k * HALF, HALF).permute((1, 0)).load(a_s)
+            a = (xT.to(gl.float32) * weights[None, :]).to(dtype)
+            acc_s = warpgroup_mma(a, bc_smem.index(k), acc_s, is_async=True)
+            acc_s, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_s, a))
+            # This B tile's slot takes the next chunk's.
+            gl.thread_barrier()
+            _tma_copy(b_desc, t0_next.to(gl.int32) + k * HALF, bc_col, bars.index(2 + k),
+                      bc_smem.index(k))  # fmt: skip
         state = acc_s
         if c + 1 == last:
-            gl.store(
-                state_ptr + slot * stride_s_slot + head * stride_s_h
-                + offs_ps[:, None] * stride_s_p + offs_ns[None, :],
-                state.to(state_ptr.dtype.element_ty),
-            )  # fmt: skip
-        gl.thread_barrier()  # B is done with: the next chunk's comes
-        _tma_copy(b_desc, row_n, bc_col, bars.index(2), b_smem)
+            gl.store(state_ptrs, state.to(state_ptr.dtype.element_ty))
+        fence_async_shared()  # s_smem (generic stores) before the C.S wgmmas
+        gl.thread_barrier()
 
-        # 2. Outputs, HALF rows per pass (row blocks 2p, 2p + 1): exp(cum_i) C_i S_in, the
-        #    pass's own [HALF, HALF] C.B^T tile with exact decays times x, and for the
-        #    second pass the earlier tiles times xw, by Horner as in phase 1.
-        mbarrier.wait(bars.index(3), phase)  # C
-        zeros = gl.zeros([HALF, P], gl.float32, mma_y)
+        # 2. Outputs, HALF rows per pass: row blocks 2p (warp group 0) and 2p + 1, each
+        #    pass's C.B^T tiles loaded a phase ahead of their dots.
+        cb_10 = _cb_rows(cb_ptr, cb_base, 1, 0, offs_ra, offs_ka, ROWS, BLOCK)
+        cb_11 = _cb_rows(cb_ptr, cb_base, 1, 1, offs_ra, offs_ka, ROWS, BLOCK)
         for p in gl.static_range(2):
-            acc = _mma(c_smem.slice(p * HALF, HALF), s_smem.permute((1, 0)), zeros)
-            cum_y = cum.slice(p * HALF, HALF).load(gl.SliceLayout(1, mma_y))
-            if p == 0:
-                acc = acc * gl.exp2(cum_y)[:, None]
-            else:
-                cb_0 = _cb_rows(cb_ptr, cb_base, 1, 0, offs_ra, offs_kb, ROWS, BLOCK)
-                cb_1 = _cb_rows(cb_ptr, cb_base, 1, 1, offs_ra, offs_kb, ROWS, BLOCK)
-                acc = acc * gl.exp2(ref0)
-                acc = _mma_reg(cb_0, xw_smem.slice(0, BLOCK), acc)
-                acc = acc * gl.exp2(ref1 - ref0)
-                acc = _mma_reg(cb_1, xw_smem.slice(BLOCK, BLOCK), acc)
-                acc = acc * gl.exp2(cum_y - ref1)[:, None]
-            # The pass's own tiles (its two row blocks' columns), exact decays.
+            if p == 1:
+                cb_12 = _cb_rows(cb_ptr, cb_base, 1, 2, offs_ra, offs_ka, ROWS, BLOCK)
+                cb_13 = _cb_rows(cb_ptr, cb_base, 1, 3, offs_ra, offs_ka, ROWS, BLOCK)
+            mbarrier.wait(bars.index(4 + p), c % 2)  # C rows of this pass
+            acc = warpgroup_mma(bc_smem.index(2 + p), s_smem.permute((1, 0)),
+                                gl.zeros([HALF, P], gl.float32, mma_y), use_acc=False,
+                                is_async=True)  # fmt: skip
             cum_i = cum.slice(p * HALF, HALF).load(gl.SliceLayout(1, a_y))
-            cb_d = _cb_rows(cb_ptr, cb_base, p, 2 * p, offs_ra, offs_kb, ROWS, BLOCK)
-            acc = _exact_tile(acc, cb_d, cum, dts, x_smem, p, 2 * p, cum_i, offs_ra, offs_kb, BLOCK)
-            cb_d = _cb_rows(cb_ptr, cb_base, p, 2 * p + 1, offs_ra, offs_kb, ROWS, BLOCK)
-            acc = _exact_tile(acc, cb_d, cum, dts, x_smem, p, 2 * p + 1, cum_i, offs_ra, offs_kb,
-                              BLOCK)  # fmt: skip
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            gl.thread_barrier()
+            _tma_copy(c_desc, t0_next.to(gl.int32) + p * HALF, bc_col, bars.index(4 + p),
+                      bc_smem.index(2 + p))  # fmt: skip
+            cum_y = cum.slice(p * HALF, HALF).load(gl.SliceLayout(1, mma_y))
+            acc = acc * gl.exp2(cum_y)[:, None]
+            # Tiles j = 0..2p+1 of C.B^T for the pass's rows (rows whose block is < j
+            # took zeros), with the exact causal decay.
+            if p == 0:
+                acc = _intra_tile(acc, cb_00, cum, dts, x_c, 0, 0, cum_i, offs_ra, offs_ka, BLOCK)
+                acc = _intra_tile(acc, cb_01, cum, dts, x_c, 0, 1, cum_i, offs_ra, offs_ka, BLOCK)
+            else:
+                acc = _intra_tile(acc, cb_10, cum, dts, x_c, 1, 0, cum_i, offs_ra, offs_ka, BLOCK)
+                acc = _intra_tile(acc, cb_11, cum, dts, x_c, 1, 1, cum_i, offs_ra, offs_ka, BLOCK)
+                acc = _intra_tile(acc, cb_12, cum, dts, x_c, 1, 2, cum_i, offs_ra, offs_ka, BLOCK)
+                acc = _intra_tile(acc, cb_13, cum, dts, x_c, 1, 3, cum_i, offs_ra, offs_ka, BLOCK)
             rows_y = p * HALF + offs_ry
             mask_y = (rows_y < length)[:, None] & (offs_py < P)[None, :]
             if HAS_D:
-                x_rows = x_smem.slice(p * HALF, HALF).load(mma_y).to(gl.float32)
+                x_rows = x_c.slice(p * HALF, HALF).load(mma_y).to(gl.float32)
                 acc += gl.load(D_ptr + head).to(gl.float32) * x_rows
-            if p == 1:
-                gl.thread_barrier()  # C and x are done with: the next chunk's come
-                _tma_copy(c_desc, row_n, bc_col, bars.index(3), c_smem)
-                _tma_copy(x_desc, row_n + HALF, x_col, bars.index(1), x_smem.slice(HALF, HALF))
             if HAS_Z:
                 zg = gl.load(
                     z_ptr + (t0 + rows_y)[:, None] * stride_z_t + head * stride_z_h
@@ -359,18 +318,16 @@ def _ssd_scan_hopper_kernel(
                 + offs_py[None, :],
                 acc.to(y_ptr.dtype.element_ty), mask=mask_y,
             )  # fmt: skip
-            if p == 0:
-                gl.thread_barrier()  # x rows 0-127 are done with (xw holds what phase 2 needs)
-                _tma_copy(x_desc, row_n, x_col, bars.index(0), x_smem.slice(0, HALF))
-        t0, length, seq, first, last, slot, ref0, ref1, ref2, total = (
-            t0_n, len_n, seq_n, first_n, last_n, slot_n, ref0_n, ref1_n, ref2_n, total_n
+        t0, length, seq, first, last, slot, total = (
+            t0_next, len_next, seq_next, first_next, last_next, slot_next, total_next
         )  # fmt: skip
     # No copy may land after the program exits: the last iteration's, for a chunk past
     # the last, are waited for.
     async_copy.wait_group(0)
+    mbarrier.wait(bars.index(num_chunks % 2), (num_chunks // 2) % 2)
     for i in gl.static_range(4):
-        mbarrier.wait(bars.index(i), num_chunks % 2)
-    for i in gl.static_range(4):
+        mbarrier.wait(bars.index(2 + i), num_chunks % 2)
+    for i in gl.static_range(6):
         mbarrier.invalidate(bars.index(i))
 
 
@@ -385,11 +342,11 @@ def launch_hopper_scan(
     G, N = B.shape[1:]
     bf16 = gl.bfloat16
     # 2-D views [T, heads * dim] (hopper_scan_usable checked the heads are contiguous).
-    x_desc = TensorDescriptor(x, [T, H * P], [x.stride(0), 1], [CHUNK // 2, P],
-                              gl.NVMMASharedLayout.get_default_for([CHUNK // 2, P], bf16))  # fmt: skip
-    bc_layout = gl.NVMMASharedLayout.get_default_for([CHUNK, N], bf16)
-    b_desc = TensorDescriptor(B, [T, G * N], [B.stride(0), 1], [CHUNK, N], bc_layout)
-    c_desc = TensorDescriptor(C, [T, G * N], [C.stride(0), 1], [CHUNK, N], bc_layout)
+    x_desc = TensorDescriptor(x, [T, H * P], [x.stride(0), 1], [CHUNK, P],
+                              gl.NVMMASharedLayout.get_default_for([CHUNK, P], bf16))  # fmt: skip
+    bc_layout = gl.NVMMASharedLayout.get_default_for([CHUNK // 2, N], bf16)
+    b_desc = TensorDescriptor(B, [T, G * N], [B.stride(0), 1], [CHUNK // 2, N], bc_layout)
+    c_desc = TensorDescriptor(C, [T, G * N], [C.stride(0), 1], [CHUNK // 2, N], bc_layout)
     z_strides = z.stride()[:2] if z is not None else (0, 0)
     _ssd_scan_hopper_kernel[(H,)](
         x_desc, b_desc, c_desc, z, D, y, cb, layout["dt"], layout["cum"],
