@@ -173,7 +173,6 @@ def _ssd_scan_hopper_kernel(
     )
     a_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_s, k_width=2)
     a_y: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_y, k_width=2)
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 16-byte copies
     s_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([P, N], dtype)
     vec_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     # x and cum/dt of this chunk and the next; B rows 0-127, 128-255, C the same (one slot
@@ -231,8 +230,9 @@ def _ssd_scan_hopper_kernel(
                            chunk_seq_ptr, seq_first_chunk_ptr, state_slots_ptr, cum_buf_ptr)
         )  # fmt: skip
         _tma_copy(x_desc, t0_next.to(gl.int32), x_col, bars.index(1 - buf), x_smem.index(1 - buf))
+        base_next = (c_next * H + head) * CHUNK
         _copy_chunk_vectors(vec_smem.index(2 - 2 * buf), vec_smem.index(3 - 2 * buf),
-                            cum_buf_ptr, dt_buf_ptr, (c_next * H + head) * CHUNK, CHUNK)  # fmt: skip
+                            cum_buf_ptr, dt_buf_ptr, base_next, CHUNK)  # fmt: skip
         async_copy.commit_group()
         cum = vec_smem.index(2 * buf)
         dts = vec_smem.index(2 * buf + 1)
