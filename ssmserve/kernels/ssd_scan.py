@@ -619,7 +619,9 @@ def ssd_scan_varlen_triton(
     its cumsum (8 bytes per token and head), C.B^T per chunk and group, and a float32 ring
     of two states per head (8 MiB at Bamba-9B dims). No host sync (CUDA-graph safe): chunk
     metadata is computed on the device. cu_seqlens, state_slots and has_initial_state
-    values are not validated: slots must be valid and distinct.
+    values are not validated: slots must be valid and distinct. SSMSERVE_SSD_GLUON=1 runs
+    the Gluon kernel of ssd_scan_hopper.py instead of the fused one where it applies
+    (sm_90, bf16; opt-in: slower today).
     """
     T, H, P, G, N = _check_ssd_args(
         x, dt, A, B, C, D, cu_seqlens, ssm_state, state_slots, has_initial_state, dt_bias, z,

@@ -4,10 +4,10 @@ The same chunked math as `_ssd_chunk_scan_kernel` in ssd_scan.py (read the comme
 first), for bf16 inputs with a head dim of 64 and a state dim of 64 or 128, organised
 the other way round: instead of one program per (chunk, head) chaining states through
 memory, one program (8 warps) per head walks the chunk ids in order and carries the state
-in registers. Each chunk's data is copied (cp.async) a chunk ahead of its use, so the
-program's time goes to the dots and the element-wise work, not to memory round trips
-(the design the Triton-language kernel's measurements pointed at, docs/kernels_notes.md,
-fourth session). Per chunk:
+in registers. Each chunk's x, B and C come by TMA (cum and dt by cp.async) a chunk ahead
+of their use, so the program's time goes to the dots and the element-wise work, not to
+memory round trips (docs/kernels_notes.md, fourth session, has the measurements). Per
+chunk:
 
 1. S_out = exp(sum dA) S_in + sum_t (exp(total - cum_t) dt_t x_t^T) B_t: two wgmmas with
    x^T weighted in registers, B from shared memory, the accumulator starting at the
@@ -65,8 +65,8 @@ def hopper_scan_usable(
     """Whether the Gluon kernel takes this call (else the Triton-language kernel does).
 
     It needs an sm_90 GPU, bf16 x, head dim 64, state dim 64 or 128, 256-token chunks,
-    unit strides on the last dims, and 16-byte aligned rows for its 16-byte copies (row
-    and head strides multiples of 16 elements, as Triton's launcher specialises them).
+    unit strides on the last dims, heads contiguous in x, B and C (the TMA copies view
+    them as [T, heads * dim]), and 16-byte aligned bases and strides.
     Off unless SSMSERVE_SSD_GLUON=1: on the H200 this kernel is correct but still slower
     than the Triton-language one (1.66 against 1.53 ms at 32k tokens, Bamba-9B dims; 1.65
     against 0.99 at Mamba2-2.7B's 80 heads, which leave 52 SMs idle). It is kept for the
