@@ -116,28 +116,19 @@ def scan_kernel_report(dtype: str, cfg: dict) -> str:
     return compile_report(ssd_scan._ssd_chunk_scan_kernel.fn, sig, constexprs, options)
 
 
-def hopper_kernel_report(N: int, has_z: bool) -> str:
-    """The same for the Gluon kernel of ssd_scan_hopper.py (bf16, head dim 64)."""
+def gluon_report(fn, constexprs: dict, descs: dict[str, tuple[int, int]], options: dict) -> str:
+    """compile_report for a Gluon kernel of the SSD scan family: `descs` maps each tensor
+    descriptor argument to its bf16 block shape; other arguments are typed by name."""
+    import triton.experimental.gluon.language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from ssmserve.kernels import ssd_scan_hopper as hopper
-
-    fn = hopper._ssd_scan_hopper_kernel
-    constexprs = dict(HAS_D=True, HAS_Z=has_z, CHUNK=hopper.CHUNK, BLOCK=hopper.BLOCK, P=64, N=N)
-    import triton.experimental.gluon.language as gl
-
-    def desc(rows: int, cols: int) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
-        return f"tensordesc<bf16[{rows}, {cols}],{layout!r}>"
-
-    descs = {"x_desc": desc(hopper.CHUNK, 64), "b_desc": desc(hopper.CHUNK // 2, N),
-             "c_desc": desc(hopper.CHUNK // 2, N)}  # fmt: skip
     sig: dict[str, str] = {}
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
         elif name in descs:
-            sig[name] = descs[name]
+            layout = gl.NVMMASharedLayout.get_default_for(list(descs[name]), gl.bfloat16)
+            sig[name] = f"tensordesc<bf16[{descs[name][0]}, {descs[name][1]}],{layout!r}>"
         elif name in ("z_ptr", "y_ptr", "cb_ptr"):
             sig[name] = "*bf16"
         elif name in ("state_ptr", "D_ptr", "dt_buf_ptr", "cum_buf_ptr"):
@@ -146,8 +137,18 @@ def hopper_kernel_report(N: int, has_z: bool) -> str:
             sig[name] = "*i8" if name == "has_init_ptr" else "*i32"
         else:
             sig[name] = "i32"
-    options = {"num_warps": hopper.NUM_WARPS}
     return compile_report(fn, sig, constexprs, options, source=GluonASTSource)
+
+
+def hopper_kernel_report(N: int, has_z: bool) -> str:
+    """The same for the Gluon kernel of ssd_scan_hopper.py (bf16, head dim 64)."""
+    from ssmserve.kernels import ssd_scan_hopper as hopper
+
+    constexprs = dict(HAS_D=True, HAS_Z=has_z, CHUNK=hopper.CHUNK, BLOCK=hopper.BLOCK, P=64, N=N)
+    descs = {"x_desc": (hopper.CHUNK, 64), "b_desc": (hopper.CHUNK // 2, N),
+             "c_desc": (hopper.CHUNK // 2, N)}  # fmt: skip
+    options = {"num_warps": hopper.NUM_WARPS}
+    return gluon_report(hopper._ssd_scan_hopper_kernel, constexprs, descs, options)
 
 
 def main() -> None:
@@ -156,8 +157,9 @@ def main() -> None:
     parser.add_argument("--config", action="append", default=[],
                         help="JSON overrides of _launch_config (repeatable)")  # fmt: skip
     parser.add_argument("--sass", default=None, help="write the SASS of the last config here")
-    parser.add_argument("--hopper", action="store_true",
-                        help="the Gluon kernel (ssd_scan_hopper.py) instead, N 128 and 64")  # fmt: skip
+    parser.add_argument(
+        "--hopper", action="store_true", help="the Gluon kernel (ssd_scan_hopper.py), N 128, 64"
+    )
     opts = parser.parse_args()
     global SASS_OUT
     SASS_OUT = opts.sass

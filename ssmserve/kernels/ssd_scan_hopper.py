@@ -86,9 +86,7 @@ def hopper_scan_usable(
         return False
     if x.stride(1) != x.shape[2] or B.stride(1) != B.shape[2] or C.stride(1) != C.shape[2]:
         return False  # the TMA copies view x, B and C as [T, heads * dim]
-    copied = [x, B, C]
-    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0
-               for t in copied)  # fmt: skip
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in (x, B, C))
 
 
 @jit

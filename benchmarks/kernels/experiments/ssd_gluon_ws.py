@@ -35,17 +35,17 @@ import torch
 from ssmserve.kernels import ssd_scan, ssd_scan_hopper
 from ssmserve.kernels.ssd_scan_hopper import HAS_GLUON, jit
 
-if HAS_GLUON:
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (
+if HAS_GLUON:  # the Gluon names ssd_scan_hopper imported
+    from ssmserve.kernels.ssd_scan_hopper import (
+        TensorDescriptor,
+        async_copy,
         fence_async_shared,
+        gl,
         mbarrier,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 else:
     gl = ssd_scan_hopper.gl
 
@@ -359,33 +359,11 @@ def compile_only() -> None:
     """Compile for sm_90 here (no GPU): registers, spills, shared memory."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     import ptxas_report
-    from triton.experimental.gluon._runtime import GluonASTSource
 
-    def desc(rows: int, cols: int) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
-        return f"tensordesc<bf16[{rows}, {cols}],{layout!r}>"
-
-    constexprs = dict(P=64, N=128)
-    descs = {"x_desc": desc(CHUNK_TOKENS // 2, 64), "b_desc": desc(CHUNK_TOKENS, 128),
-             "c_desc": desc(CHUNK_TOKENS, 128)}  # fmt: skip
-    sig = {}
-    for name in _ssd_scan_ws_kernel.arg_names:
-        if name in constexprs:
-            sig[name] = "constexpr"
-        elif name in descs:
-            sig[name] = descs[name]
-        elif name in ("y_ptr", "cb_ptr"):
-            sig[name] = "*bf16"
-        elif name in ("state_ptr", "D_ptr", "dt_buf_ptr", "cum_buf_ptr"):
-            sig[name] = "*fp32"
-        elif name.endswith("_ptr"):
-            sig[name] = "*i8" if name == "has_init_ptr" else "*i32"
-        else:
-            sig[name] = "i32"
+    descs = {"x_desc": (CHUNK_TOKENS // 2, 64), "b_desc": (CHUNK_TOKENS, 128),
+             "c_desc": (CHUNK_TOKENS, 128)}  # fmt: skip
     options = {"num_warps": 4, "maxnreg": 128}
-    report = ptxas_report.compile_report(_ssd_scan_ws_kernel, sig, constexprs, options,
-                                         source=GluonASTSource)  # fmt: skip
-    print(report)
+    print(ptxas_report.gluon_report(_ssd_scan_ws_kernel, dict(P=64, N=128), descs, options))
 
 
 def check_and_time() -> None:
