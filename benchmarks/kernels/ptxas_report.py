@@ -116,9 +116,13 @@ def scan_kernel_report(dtype: str, cfg: dict) -> str:
     return compile_report(ssd_scan._ssd_chunk_scan_kernel.fn, sig, constexprs, options)
 
 
-def gluon_report(fn, constexprs: dict, descs: dict[str, tuple[int, int]], options: dict) -> str:
+def gluon_report(
+    fn, constexprs: dict, descs: dict[str, tuple[int, int]], options: dict,
+    extra_sig: dict[str, str] | None = None,
+) -> str:  # fmt: skip
     """compile_report for a Gluon kernel of the SSD scan family: `descs` maps each tensor
-    descriptor argument to its bf16 block shape; other arguments are typed by name."""
+    descriptor argument to its bf16 block shape; `extra_sig` gives other arguments' types
+    outright; the rest are typed by name."""
     import triton.experimental.gluon.language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -126,6 +130,8 @@ def gluon_report(fn, constexprs: dict, descs: dict[str, tuple[int, int]], option
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
+        elif extra_sig and name in extra_sig:
+            sig[name] = extra_sig[name]
         elif name in descs:
             layout = gl.NVMMASharedLayout.get_default_for(list(descs[name]), gl.bfloat16)
             sig[name] = f"tensordesc<bf16[{descs[name][0]}, {descs[name][1]}],{layout!r}>"
