@@ -1,0 +1,382 @@
+"""Experiment: a warp-specialised Gluon SSD scan that walks 64-token blocks.
+
+One CTA per head walks its chunks' 64-token blocks in order. The state is carried
+block to block, not chunk to chunk, so each block's outputs need only the state
+entering the block (a bf16 snapshot in shared memory) and the block's diagonal C.B^T
+tile. No off-diagonal C.B^T tiles, no zero tiles, and no CTA-wide barriers. For block m
+of a chunk (cum is the chunk-local cumsum of dt A in log2 units, ref = cum before the
+block, end = cum at its last position):
+
+    S_{m+1} = exp2(end - ref) S_m + sum_k exp2(end - cum_k) dt_k x_k^T B_k
+    y_i     = exp2(cum_i - ref) C_i S_m
+              + sum_{k <= i in the block} (C_i.B_k) exp2(cum_i - cum_k) dt_k x_k + D x_i
+
+Partitions (gl.warp_specialize), synchronised by mbarriers only:
+- loader (1 warp): TMA copies of each block's x, B, C, diagonal C.B^T tile, cum and dt
+  into a ring of NS stages;
+- state (the default partition, 4 warps): the recurrence above, S in float32 registers;
+  before each block it writes S_m (bf16) to the shared slot of the output partition that
+  owns the block;
+- two output partitions (4 warps each): even and odd blocks, 64 rows each.
+
+Run on an H100/H200 (checks against the float32 twin and the Triton-language kernel,
+then times at 32k tokens, Bamba-9B dims; run under `timeout`):
+
+    PYTHONPATH=$PWD:$PWD/benchmarks/kernels python benchmarks/kernels/experiments/ssd_gluon_blocks.py
+
+Compile only (any machine): add --compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import torch
+
+from ssmserve.kernels import ssd_scan, ssd_scan_hopper
+from ssmserve.kernels.ssd_scan_hopper import HAS_GLUON, jit
+
+if HAS_GLUON:
+    from ssmserve.kernels.ssd_scan_hopper import (
+        TensorDescriptor,
+        fence_async_shared,
+        gl,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+else:
+    gl = ssd_scan_hopper.gl
+
+CHUNK_TOKENS = 256
+BLOCK_TOKENS = 64
+NUM_STAGES = 3
+# constexpr arguments through gl.warp_specialize reach the partitions as runtime
+# values, so the sizes the partitions need are globals (P and N come from the shapes of
+# the shared buffers).
+CHUNK = gl.constexpr(CHUNK_TOKENS) if HAS_GLUON else CHUNK_TOKENS
+BLOCK = gl.constexpr(BLOCK_TOKENS) if HAS_GLUON else BLOCK_TOKENS
+NS = gl.constexpr(NUM_STAGES) if HAS_GLUON else NUM_STAGES
+# mbarriers in one allocation: FULL[NS], EMPTY[NS], S_FULL[2], S_EMPTY[2].
+FULL = gl.constexpr(0) if HAS_GLUON else 0
+EMPTY = gl.constexpr(NUM_STAGES) if HAS_GLUON else NUM_STAGES
+S_FULL = gl.constexpr(2 * NUM_STAGES) if HAS_GLUON else 2 * NUM_STAGES
+S_EMPTY = gl.constexpr(2 * NUM_STAGES + 2) if HAS_GLUON else 2 * NUM_STAGES + 2
+NUM_BARS = gl.constexpr(2 * NUM_STAGES + 4) if HAS_GLUON else 2 * NUM_STAGES + 4
+
+
+@jit
+def _loader(descs, bufs, bars, ptrs, scal):
+    x_desc, b_desc, c_desc, cum_desc, dt_desc = descs
+    x_s, b_s, c_s, cum_s, dt_s, s_s = bufs
+    P: gl.constexpr = x_s.shape[2]
+    N: gl.constexpr = b_s.shape[2]
+    chunk_start_ptr, chunk_len_ptr = ptrs[0], ptrs[1]
+    num_chunks, head, group, H, G = scal[0], scal[1], scal[2], scal[3], scal[4]
+    ROWS: gl.constexpr = CHUNK // BLOCK
+    nbytes: gl.constexpr = (
+        x_desc.block_type.nbytes + b_desc.block_type.nbytes + c_desc.block_type.nbytes
+        + cum_desc.block_type.nbytes + dt_desc.block_type.nbytes
+    )  # fmt: skip
+    g = 0
+    for c in range(0, num_chunks):
+        t0 = gl.load(chunk_start_ptr + c)
+        nb = (gl.load(chunk_len_ptr + c) + BLOCK - 1) // BLOCK
+        for m in range(0, nb):
+            s = g % NS
+            mbarrier.wait(bars.index(EMPTY + s), ((g // NS) & 1) ^ 1)
+            bar = bars.index(FULL + s)
+            mbarrier.expect(bar, nbytes)
+            row = t0 + m * BLOCK
+            # Rows past the chunk's end are the next sequence's tokens (or zeros past
+            # T): they meet zero dt, or outputs that are not stored.
+            tma.async_copy_global_to_shared(x_desc, [row, head * P], bar, x_s.index(s))
+            tma.async_copy_global_to_shared(b_desc, [row, group * N], bar, b_s.index(s))
+            tma.async_copy_global_to_shared(c_desc, [row, group * N], bar, c_s.index(s))
+            vec_at = ((c * H + head) * ROWS + m) * BLOCK
+            tma.async_copy_global_to_shared(cum_desc, [vec_at], bar, cum_s.index(s))
+            tma.async_copy_global_to_shared(dt_desc, [vec_at], bar, dt_s.index(s))
+            g += 1
+
+
+@jit
+def _state(descs, bufs, bars, ptrs, scal):
+    x_s, b_s, c_s, cum_s, dt_s, s_s = bufs
+    P: gl.constexpr = x_s.shape[2]
+    N: gl.constexpr = b_s.shape[2]
+    dtype: gl.constexpr = x_s.dtype
+    chunk_len_ptr, chunk_seq_ptr, seq_first_chunk_ptr = ptrs[1], ptrs[2], ptrs[3]
+    state_ptr, state_slots_ptr, has_init_ptr = ptrs[8], ptrs[9], ptrs[10]
+    num_chunks, head = scal[0], scal[1]
+    stride_s_slot, stride_s_h, stride_s_p = scal[5], scal[6], scal[7]
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16]
+    )
+    a_s: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_s, k_width=2)
+    k_l: gl.constexpr = gl.SliceLayout(0, a_s)
+    offs_p = gl.arange(0, P, layout=gl.SliceLayout(1, mma_s))
+    offs_n = gl.arange(0, N, layout=gl.SliceLayout(0, mma_s))
+    offs_k = gl.arange(0, BLOCK, layout=k_l)
+    state = gl.zeros([P, N], gl.float32, mma_s)
+    g = 0
+    for c in range(0, num_chunks):
+        seq = gl.load(chunk_seq_ptr + c)
+        first = gl.load(seq_first_chunk_ptr + seq)
+        last = gl.load(seq_first_chunk_ptr + seq + 1)
+        slot = gl.load(state_slots_ptr + seq).to(gl.int64)
+        nb = (gl.load(chunk_len_ptr + c) + BLOCK - 1) // BLOCK
+        state_ptrs = (state_ptr + slot * stride_s_slot + head * stride_s_h
+                      + offs_p[:, None] * stride_s_p + offs_n[None, :])  # fmt: skip
+        if c == first:
+            has_init = gl.load(has_init_ptr + seq) != 0
+            state = gl.load(state_ptrs, mask=(offs_p < P)[:, None] & has_init, other=0.0)
+            state = state.to(gl.float32)
+        ref = 0.0
+        for m in range(0, nb):
+            s = g % NS
+            w = g % 2
+            # S_m, for the outputs of this block (its owner's slot).
+            mbarrier.wait(bars.index(S_EMPTY + w), ((g // 2) & 1) ^ 1)
+            s_s.index(w).store(state.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(bars.index(S_FULL + w), count=1)
+            # S_{m+1}.
+            mbarrier.wait(bars.index(FULL + s), (g // NS) & 1)
+            cum_v = cum_s.index(s)
+            cum_k = cum_v.load(k_l)
+            end = gl.sum(gl.where(offs_k == BLOCK - 1, cum_k, 0.0), 0)  # cum at the block's end
+            weights = gl.exp2(end - cum_k) * dt_s.index(s).load(k_l)
+            xT = x_s.index(s).permute((1, 0)).load(a_s)
+            a = (xT.to(gl.float32) * weights[None, :]).to(dtype)
+            state = state * gl.exp2(end - ref)
+            state = warpgroup_mma(a, b_s.index(s), state, is_async=True)
+            state, a = warpgroup_mma_wait(num_outstanding=0, deps=(state, a))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(bars.index(EMPTY + s), count=1)
+            ref = end
+            g += 1
+        if c + 1 == last:
+            gl.store(state_ptrs, state.to(state_ptr.dtype.element_ty))
+
+
+@jit
+def _outputs(descs, bufs, bars, ptrs, scal, W: gl.constexpr):
+    x_s, b_s, c_s, cum_s, dt_s, s_s = bufs
+    P: gl.constexpr = x_s.shape[2]
+    dtype: gl.constexpr = x_s.dtype
+    chunk_start_ptr, chunk_len_ptr = ptrs[0], ptrs[1]
+    cum_buf_ptr, D_ptr, y_ptr, z_ptr = ptrs[4], ptrs[5], ptrs[6], ptrs[7]
+    num_chunks, head, H = scal[0], scal[1], scal[3]
+    stride_y_t, stride_y_h, has_z, stride_z_t, stride_z_h = (
+        scal[8], scal[9], scal[10], scal[11], scal[12]
+    )  # fmt: skip
+    mma_y: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, P, 16]
+    )
+    a_y: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_y, k_width=2)
+    # The diagonal tile C_m B_m^T [BLOCK, BLOCK] by wgmma from the stage's C and B, in the
+    # outputs' layout (P == BLOCK), so one zero tile serves both dots.
+    gl.static_assert(P == BLOCK)
+    mma_c: gl.constexpr = mma_y
+    offs_rc = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, mma_c))
+    offs_kc = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, mma_c))
+    offs_ry = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, mma_y))
+    offs_py = gl.arange(0, P, layout=gl.SliceLayout(0, mma_y))
+    d = gl.load(D_ptr + head).to(gl.float32)
+    zeros = gl.zeros([BLOCK, P], gl.float32, mma_y)
+
+    g = 0
+    for c in range(0, num_chunks):
+        t0 = gl.load(chunk_start_ptr + c).to(gl.int64)
+        length = gl.load(chunk_len_ptr + c)
+        nb = (length + BLOCK - 1) // BLOCK
+        cum_base = cum_buf_ptr + (c * H + head) * CHUNK
+        for m in range(0, nb):
+            if g % 2 == W:
+                s = g % NS
+                ref = gl.load(cum_base + m * BLOCK - 1, mask=m > 0, other=0.0)
+                mbarrier.wait(bars.index(FULL + s), (g // NS) & 1)
+                mbarrier.wait(bars.index(S_FULL + W), (g // 2) & 1)
+                cb = warpgroup_mma(c_s.index(s), b_s.index(s).permute((1, 0)), zeros,
+                                   use_acc=False, is_async=True)  # fmt: skip
+                acc = warpgroup_mma(c_s.index(s), s_s.index(W).permute((1, 0)), zeros,
+                                    use_acc=False, is_async=True)  # fmt: skip
+                # The diagonal tile's operand while the C.S dot runs.
+                cum_v = cum_s.index(s)
+                cum_i = cum_v.load(gl.SliceLayout(1, mma_c))
+                cum_k = cum_v.load(gl.SliceLayout(0, mma_c))
+                dt_k = dt_s.index(s).load(gl.SliceLayout(0, mma_c))
+                causal = offs_rc[:, None] >= offs_kc[None, :]
+                decay = gl.exp2(gl.where(causal, cum_i[:, None] - cum_k[None, :], -float("inf")))
+                decay *= dt_k[None, :]
+                cb = warpgroup_mma_wait(num_outstanding=1, deps=(cb,))
+                a = gl.convert_layout((cb * decay).to(dtype), a_y)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                gl.thread_barrier()
+                mbarrier.arrive(bars.index(S_EMPTY + W), count=1)
+                cum_y = cum_v.load(gl.SliceLayout(1, mma_y))
+                acc = acc * gl.exp2(cum_y - ref)[:, None]
+                acc = warpgroup_mma(a, x_s.index(s), acc, is_async=True)
+                acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
+                acc += d * x_s.index(s).load(mma_y).to(gl.float32)
+                fence_async_shared()  # see _state
+                gl.thread_barrier()
+                mbarrier.arrive(bars.index(EMPTY + s), count=1)
+                rows = t0 + m * BLOCK + offs_ry
+                mask = ((m * BLOCK + offs_ry) < length)[:, None] & (offs_py < P)[None, :]
+                if has_z != 0:
+                    zg = gl.load(
+                        z_ptr + rows[:, None] * stride_z_t + head * stride_z_h + offs_py[None, :],
+                        mask=mask, other=0.0,
+                    ).to(gl.float32)  # fmt: skip
+                    acc *= zg / (1.0 + gl.exp(-zg))
+                gl.store(y_ptr + rows[:, None] * stride_y_t + head * stride_y_h + offs_py[None, :],
+                         acc.to(y_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+            g += 1
+
+
+@jit
+def _outputs_even(descs, bufs, bars, ptrs, scal):
+    _outputs(descs, bufs, bars, ptrs, scal, 0)
+
+
+@jit
+def _outputs_odd(descs, bufs, bars, ptrs, scal):
+    _outputs(descs, bufs, bars, ptrs, scal, 1)
+
+
+@jit
+def _ssd_scan_blocks_kernel(
+    x_desc, b_desc, c_desc, cum_desc, dt_desc,
+    z_ptr, D_ptr, y_ptr, cum_buf_ptr,
+    chunk_start_ptr, chunk_len_ptr, chunk_seq_ptr, seq_first_chunk_ptr, num_seqs,
+    state_slots_ptr, has_init_ptr, state_ptr,
+    H, G, has_z, stride_z_t, stride_z_h, stride_y_t, stride_y_h,
+    stride_s_slot, stride_s_h, stride_s_p,
+    P: gl.constexpr, N: gl.constexpr,
+):  # fmt: skip
+    dtype: gl.constexpr = x_desc.dtype
+    x_s = gl.allocate_shared_memory(dtype, [NS, BLOCK, P], x_desc.layout)
+    b_s = gl.allocate_shared_memory(dtype, [NS, BLOCK, N], b_desc.layout)
+    c_s = gl.allocate_shared_memory(dtype, [NS, BLOCK, N], c_desc.layout)
+    cum_s = gl.allocate_shared_memory(gl.float32, [NS, BLOCK], cum_desc.layout)
+    dt_s = gl.allocate_shared_memory(gl.float32, [NS, BLOCK], dt_desc.layout)
+    s_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([P, N], dtype)
+    s_s = gl.allocate_shared_memory(dtype, [2, P, N], s_sl)
+    bars = gl.allocate_shared_memory(gl.int64, [NUM_BARS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NS):
+        mbarrier.init(bars.index(FULL + i), count=1)
+        mbarrier.init(bars.index(EMPTY + i), count=2)  # the state and one output partition
+    for i in gl.static_range(2):
+        mbarrier.init(bars.index(S_FULL + i), count=1)
+        mbarrier.init(bars.index(S_EMPTY + i), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    head = gl.program_id(0)
+    group = head // (H // G)
+    num_chunks = gl.load(seq_first_chunk_ptr + num_seqs)
+    descs = (x_desc, b_desc, c_desc, cum_desc, dt_desc)
+    bufs = (x_s, b_s, c_s, cum_s, dt_s, s_s)
+    ptrs = (chunk_start_ptr, chunk_len_ptr, chunk_seq_ptr, seq_first_chunk_ptr, cum_buf_ptr,
+            D_ptr, y_ptr, z_ptr, state_ptr, state_slots_ptr, has_init_ptr)  # fmt: skip
+    scal = (num_chunks, head, group, H, G, stride_s_slot, stride_s_h, stride_s_p,
+            stride_y_t, stride_y_h, has_z, stride_z_t, stride_z_h)  # fmt: skip
+    args = (descs, bufs, bars, ptrs, scal)
+    gl.warp_specialize(
+        [(_state, args), (_loader, args), (_outputs_even, args), (_outputs_odd, args)],
+        [1, 4, 4],
+        [24, 152, 152],
+    )
+
+
+def launch_blocks(x, B, C, z, D, y, cb, layout, ssm_state, state_slots, has_initial_state):
+    """Same arguments as ssd_scan_hopper.launch_hopper_scan."""
+    T, H, P = x.shape
+    G, N = B.shape[1:]
+    bf16 = gl.bfloat16
+    blk = BLOCK_TOKENS
+
+    x_desc = TensorDescriptor(x, [T, H * P], [x.stride(0), 1], [blk, P],
+                              gl.NVMMASharedLayout.get_default_for([blk, P], bf16))  # fmt: skip
+    bc_layout = gl.NVMMASharedLayout.get_default_for([blk, N], bf16)
+    b_desc = TensorDescriptor(B, [T, G * N], [B.stride(0), 1], [blk, N], bc_layout)
+    c_desc = TensorDescriptor(C, [T, G * N], [C.stride(0), 1], [blk, N], bc_layout)
+    vec_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    cum1, dt1 = layout["cum"].view(-1), layout["dt"].view(-1)
+    cum_desc = TensorDescriptor(cum1, [cum1.numel()], [1], [blk], vec_layout)
+    dt_desc = TensorDescriptor(dt1, [dt1.numel()], [1], [blk], vec_layout)
+    D = D if D is not None else torch.zeros(H, device=x.device)
+    z_strides = z.stride()[:2] if z is not None else (0, 0)
+    _ssd_scan_blocks_kernel[(H,)](
+        x_desc, b_desc, c_desc, cum_desc, dt_desc,
+        z if z is not None else y, D, y, layout["cum"],
+        layout["chunk_start"], layout["chunk_len"], layout["chunk_seq"],
+        layout["seq_first_chunk"], state_slots.shape[0],
+        state_slots, has_initial_state.to(torch.int8), ssm_state,
+        H, G, int(z is not None), *z_strides, y.stride(0), y.stride(1),
+        ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
+        P=P, N=N, num_warps=4,
+    )  # fmt: skip
+
+
+def compile_only() -> None:
+    """Compile for sm_90 here (no GPU): registers, spills, shared memory."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    import ptxas_report
+    import triton.experimental.gluon.language as gll
+
+    blk = BLOCK_TOKENS
+    descs = {"x_desc": (blk, 64), "b_desc": (blk, 128), "c_desc": (blk, 128)}
+    vec = gll.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    extra = {name: f"tensordesc<fp32[{blk}],{vec!r}>" for name in ("cum_desc", "dt_desc")}
+    print(ptxas_report.gluon_report(_ssd_scan_blocks_kernel, dict(P=64, N=128), descs,
+                                    {"num_warps": 4}, extra_sig=extra))  # fmt: skip
+
+
+def check_and_time() -> None:
+    """On an H100/H200: the GPU tests of ssd_scan_hopper with this kernel, then A/B timing."""
+    import pytest
+    import triton.testing
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    import bench_ssd as bs
+    from bench_common import rel_err
+
+    ssd_scan_hopper.launch_hopper_scan = launch_blocks
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "..")
+    rc = pytest.main(["-x", "-q", os.path.join(root, "tests/kernels/test_ssd_scan_hopper.py")])
+    print(f"GPU tests with the block kernel: exit code {rc}", flush=True)
+    scan = ssd_scan.ssd_scan_varlen_triton
+    for H, label in ((128, "Bamba-9B"), (80, "Mamba2-2.7B")):
+        for T in (4096, 32768):
+            inp = bs.make_inputs([T], H, 64, 128, 1, True)
+            pool = inp["ssm_state"].clone()
+            os.environ["SSMSERVE_SSD_GLUON"] = "0"
+            y_ref = bs.call(scan, inp)
+            ref_state = inp["ssm_state"].clone()
+            ms_tl = triton.testing.do_bench(functools.partial(bs.call, scan, inp))
+            inp["ssm_state"] = pool
+            os.environ["SSMSERVE_SSD_GLUON"] = "1"
+            y = bs.call(scan, inp)
+            torch.cuda.synchronize()
+            err = (rel_err(y, y_ref), rel_err(inp["ssm_state"], ref_state))
+            ms = triton.testing.do_bench(functools.partial(bs.call, scan, inp))
+            print(f"{label} H={H} T={T}: blocks {ms:.3f} ms, Triton-language {ms_tl:.3f} ms; "
+                  f"vs TL rel err y {err[0]:.2e} state {err[1]:.2e}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compile", action="store_true", help="compile only (any machine)")
+    if parser.parse_args().compile:
+        os.environ.pop("TRITON_INTERPRET", None)
+        compile_only()
+    else:
+        check_and_time()
