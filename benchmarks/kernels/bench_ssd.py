@@ -6,8 +6,11 @@ Sections, each guarded so one failure loses no other data: (a) Triton vs the flo
 PyTorch twin at real sizes (4k tokens, one sequence and 8 varlen sequences, initial
 states); (b) CUDA-graph capture and replay (proves no host sync) against eager;
 (c) median times (triton.testing.do_bench) at 4k / 32k / 128k tokens and 8 x 4k varlen,
-for Bamba-9B and Mamba2-2.7B mixer dims; (d) per-kernel split of one 32k call
-(torch.profiler); (e) a launch-config sweep at 32k. Prints a table and writes JSON.
+for Bamba-9B and Mamba2-2.7B mixer dims; (c'') the Gluon kernel against the
+Triton-language one under graph replay, 1k to 32k tokens (section "compare"); (d)
+per-kernel split of one 32k call (torch.profiler); (e) a launch-config sweep at 32k
+(of the Triton-language kernel: run it with SSMSERVE_SSD_GLUON=0 on an H100/H200).
+Prints a table and writes JSON.
 Floors are max(bytes / 4.23e12, FLOP / 6.85e14) (the H200 copy and bf16 matmul rates
 measured in docs/kernels_notes.md); "design MB" adds the scratch traffic of the
 chunk-parallel design (contributions, entering states) to the essential bytes.
@@ -64,7 +67,7 @@ ARGS.add_argument("--out", default="bench_ssd.json", help="path of the JSON resu
 ARGS.add_argument(
     "--sections",
     default="accuracy,graph,sizes,profile,sweep",
-    help="comma-separated subset of: accuracy, graph, sizes, profile, sweep",
+    help="comma-separated subset of: accuracy, graph, sizes, compare, profile, sweep",
 )
 ARGS.add_argument("--budget", type=float, default=85.0, help="seconds before the sweep stops")
 ARGS.add_argument("--sweep", default=None, help="JSON list of launch-config overrides to sweep")
@@ -253,6 +256,32 @@ def time_compared(path: str) -> None:
         record_time(f"{name} T={sum(lengths)} compared: {path}", ms, sum(lengths), 1, H, P, N, G)
 
 
+def compare_kernels() -> None:
+    """(c'') The Gluon kernel (sm_90 default) against the Triton-language kernel, both under
+    CUDA-graph replay (no host time), from 1k to 32k tokens and 8 varlen sequences."""
+    import os
+
+    for name, H, P, N, G in MODELS:
+        for lengths in ([1024], [2048], [4096], [8192], [32768], [512 - 37, 1, 700, 300, 64,
+                        1100, 900, 530 + 26]):  # fmt: skip
+            inp = make_inputs(lengths, H, P, N, G, True, seed=5)
+            T = sum(lengths)
+            times = {}
+            for kernel, flag in (("gluon", "1"), ("triton-language", "0")):
+                os.environ["SSMSERVE_SSD_GLUON"] = flag
+                graph = graph_replay_check(
+                    f"{name} T={T} {len(lengths)} seq(s) {kernel} graph replay == eager",
+                    lambda inp=inp: call(ssd_mod.ssd_scan_varlen_triton, inp),
+                    inp["ssm_state"],
+                )
+                times[kernel] = bench_ms(graph.replay)
+                record_time(f"{name} T={T} {len(lengths)} seq(s) {kernel}, graph", times[kernel],
+                            T, len(lengths), H, P, N, G, kernel=kernel)  # fmt: skip
+                del graph
+            os.environ.pop("SSMSERVE_SSD_GLUON")
+            log(f"  gluon / triton-language: {times['gluon'] / times['triton-language']:.2f}")
+
+
 def profile_kernels() -> None:
     """(d) GPU time of each of the five launches in one 32k call (Bamba-9B dims)."""
     from torch.profiler import ProfilerActivity, profile
@@ -324,7 +353,8 @@ def main() -> None:
     if opts.sweep:
         SWEEP = json.loads(opts.sweep)
     named = {"accuracy": check_accuracy, "graph": check_cuda_graph, "sizes": time_sizes,
-             "profile": profile_kernels, "sweep": sweep_configs}  # fmt: skip
+             "compare": compare_kernels, "profile": profile_kernels,
+             "sweep": sweep_configs}  # fmt: skip
     sections = [named[name] for name in opts.sections.split(",")]
     if opts.compare:
         compared = functools.partial(time_compared, opts.compare)

@@ -146,15 +146,18 @@ def gluon_report(
     return compile_report(fn, sig, constexprs, options, source=GluonASTSource)
 
 
-def hopper_kernel_report(N: int, has_z: bool) -> str:
+def hopper_kernel_report(N: int) -> str:
     """The same for the Gluon kernel of ssd_scan_hopper.py (bf16, head dim 64)."""
+    import triton.experimental.gluon.language as gl
+
     from ssmserve.kernels import ssd_scan_hopper as hopper
 
-    constexprs = dict(HAS_D=True, HAS_Z=has_z, CHUNK=hopper.CHUNK, BLOCK=hopper.BLOCK, P=64, N=N)
-    descs = {"x_desc": (hopper.CHUNK, 64), "b_desc": (hopper.CHUNK // 2, N),
-             "c_desc": (hopper.CHUNK // 2, N)}  # fmt: skip
-    options = {"num_warps": hopper.NUM_WARPS}
-    return gluon_report(hopper._ssd_scan_hopper_kernel, constexprs, descs, options)
+    blk = hopper.BLOCK_TOKENS
+    descs = {"x_desc": (blk, 64), "b_desc": (blk, N), "c_desc": (blk, N)}
+    vec = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    extra = {name: f"tensordesc<fp32[{blk}],{vec!r}>" for name in ("cum_desc", "dt_desc")}
+    return gluon_report(hopper._ssd_scan_hopper_kernel, dict(P=64, N=N), descs,
+                        {"num_warps": 4}, extra_sig=extra)  # fmt: skip
 
 
 def main() -> None:
@@ -171,8 +174,8 @@ def main() -> None:
     SASS_OUT = opts.sass
     os.environ.pop("TRITON_INTERPRET", None)
     if opts.hopper:
-        for N, has_z in ((128, False), (64, True)):
-            print(f"gluon N={N} z={has_z}: {hopper_kernel_report(N, has_z)}", flush=True)
+        for N in (128, 64):
+            print(f"gluon N={N}: {hopper_kernel_report(N)}", flush=True)
         return
     base = ssd_scan._launch_config(None, 1, 128, 64, 128, 256)
     for override in opts.config or ["{}"]:

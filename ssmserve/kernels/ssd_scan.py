@@ -619,9 +619,9 @@ def ssd_scan_varlen_triton(
     its cumsum (8 bytes per token and head), C.B^T per chunk and group, and a float32 ring
     of two states per head (8 MiB at Bamba-9B dims). No host sync (CUDA-graph safe): chunk
     metadata is computed on the device. cu_seqlens, state_slots and has_initial_state
-    values are not validated: slots must be valid and distinct. SSMSERVE_SSD_GLUON=1 runs
-    the Gluon kernel of ssd_scan_hopper.py instead of the fused one where it applies
-    (sm_90, bf16; opt-in: slower today).
+    values are not validated: slots must be valid and distinct. On an H100/H200 with bf16
+    inputs, head dim 64 and 256-token chunks, the Gluon kernel of ssd_scan_hopper.py runs
+    instead of the C.B^T and fused launches (SSMSERVE_SSD_GLUON=0 turns it off).
     """
     T, H, P, G, N = _check_ssd_args(
         x, dt, A, B, C, D, cu_seqlens, ssm_state, state_slots, has_initial_state, dt_bias, z,
@@ -645,6 +645,11 @@ def ssd_scan_varlen_triton(
     chunk_start, chunk_len = layout["chunk_start"], layout["chunk_len"]
     chunk_seq, seq_first_chunk = layout["chunk_seq"], layout["seq_first_chunk"]
     dt_buf, cum_buf = layout["dt"], layout["cum"]
+    if ssd_scan_hopper.hopper_scan_usable(x, B, C, z, y, ssm_state, chunk):
+        ssd_scan_hopper.launch_hopper_scan(
+            x, B, C, z, D, y, layout, ssm_state, state_slots, has_initial_state
+        )  # fmt: skip
+        return y
     dev = x.device
     rows = chunk // block
     cb = torch.empty(num_chunk_ids, G, rows, rows, block, block, dtype=x.dtype, device=dev)
@@ -656,11 +661,6 @@ def ssd_scan_varlen_triton(
         CHUNK=chunk, BLOCK=block, BLOCK_N=block_n,
         DOT_DTYPE=dots["dot"], DOT_PRECISION=dots["precision"], **launch,
     )  # fmt: skip
-    if ssd_scan_hopper.hopper_scan_usable(x, B, C, z, y, ssm_state, chunk):
-        ssd_scan_hopper.launch_hopper_scan(
-            x, B, C, z, D, y, cb, layout, ssm_state, state_slots, has_initial_state
-        )  # fmt: skip
-        return y
     ring = torch.empty(2, H * p_blocks, block_n, block_p, dtype=torch.float32, device=dev)
     # [ticket, published per (head, P block)]: the only buffer that must start at zero.
     counters = torch.zeros(1 + H * p_blocks, dtype=torch.int32, device=dev)

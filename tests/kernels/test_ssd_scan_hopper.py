@@ -59,8 +59,8 @@ def compare(inp, lengths, slots, init, tol=5e-3):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Turns the Gluon kernel on (it is opt-in) and counts its launches."""
-    monkeypatch.setenv("SSMSERVE_SSD_GLUON", "1")
+    """Counts the Gluon kernel's launches (it is on by default on sm_90)."""
+    monkeypatch.delenv("SSMSERVE_SSD_GLUON", raising=False)
     calls = []
     launch = ssd_scan_hopper.launch_hopper_scan
 
@@ -81,6 +81,21 @@ def test_matches_twin(launches, G, N, with_dz):
     assert launches, "the Gluon kernel was not used"
 
 
+def test_repeated_runs_are_identical(launches):
+    """The partitions hand shared memory over through mbarriers; a missing fence there made
+    some runs differ (the fifth session), so runs must agree bit for bit."""
+    inp = make_inputs(LENGTHS, 8, 64, 1, 128, num_slots=6, dtype=torch.bfloat16, seed=11,
+                      with_dz=True, packed_xbc=True)  # fmt: skip
+    pool = inp["ssm_state"].clone()
+    outs = []
+    for _ in range(8):
+        inp["ssm_state"] = pool.clone()
+        outs.append((run(ssd_scan_varlen_triton, inp, LENGTHS, SLOTS, INIT), inp["ssm_state"]))
+    assert len(launches) == 8
+    for y, state in outs[1:]:
+        assert torch.equal(y, outs[0][0]) and torch.equal(state, outs[0][1])
+
+
 def test_matches_triton_language_kernel(launches, monkeypatch):
     lengths = [2000, 333, 1500]
     inp = make_inputs(lengths, 16, 64, 1, 128, num_slots=3, dtype=torch.bfloat16, seed=12)
@@ -92,8 +107,11 @@ def test_matches_triton_language_kernel(launches, monkeypatch):
     monkeypatch.setenv("SSMSERVE_SSD_GLUON", "0")
     y_tl = run(ssd_scan_varlen_triton, inp, lengths, [2, 0, 1], [True, False, True])
     assert len(launches) == 1, "SSMSERVE_SSD_GLUON=0 must select the Triton-language kernel"
-    # Same math and operand roundings, different summation order.
-    assert_rel_close(y, y_tl, 2e-3, "y")
+    # The two kernels round different operands to bf16 (this one: the state entering each
+    # 64-token block and the diagonal tile with D on it; the other: C.B^T tiles and the
+    # chunk's entering state), each ~2.5e-3 from the float32 twin in rel. L2, so they
+    # differ by up to the sum of the two (the states take the same dots: 2e-3).
+    assert_rel_close(y, y_tl, 5e-3, "y")
     assert_rel_close(state, inp["ssm_state"], 2e-3, "state")
 
 

@@ -1,0 +1,121 @@
+"""Source variants of the Gluon SSD kernel (ssmserve/kernels/ssd_scan_hopper.py), each
+checked against the float32 twin and timed at 32k tokens, Bamba-9B dims, on an H100/H200.
+
+    PYTHONPATH=$PWD:$PWD/benchmarks/kernels:$PWD/tests/kernels \\
+        python benchmarks/kernels/ssd_hopper_variants.py [variant ...]
+
+A variant is a list of edits to the module's source: (old, new) replaces text, (start,
+end, new) replaces the region from start up to end. Each variant is written to /tmp and
+imported as its own module, so variants compile side by side in one process. The check
+runs a varlen batch with D, z and initial states six times: the fifth session's
+shared-memory race showed only there, and not on every run. "no Gluon kernel" times the
+rest of the call (metadata launch and host work), which every variant includes.
+Without arguments all variants run; the session notes record what each gave.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import sys
+
+import bench_ssd as bs
+import torch
+import triton.testing
+from bench_common import rel_err
+from test_triton_ssd_scan import make_inputs, run
+
+from ssmserve.kernels import ssd_scan_hopper
+from ssmserve.kernels.ssd_scan import ssd_scan_varlen_ref, ssd_scan_varlen_triton
+
+SRC = open(ssd_scan_hopper.__file__).read()
+OUT_ARRIVE = (
+    "                gl.thread_barrier()\n"
+    "                mbarrier.arrive(bars.index(EMPTY + s), count=1)\n"
+)
+OUT_FENCE = "                fence_async_shared()  # see _state\n"
+STORE_END = "                         acc.to(y_ptr.dtype.element_ty), mask=mask)  # fmt: skip\n"
+VARIANTS: dict[str, list[tuple[str, ...]]] = {
+    "base": [],
+    # The outputs release a stage after their stores instead of fencing before the release.
+    "release_at_end": [(OUT_FENCE + OUT_ARRIVE, ""), (STORE_END, STORE_END + OUT_ARRIVE)],
+    "four_stages": [("NUM_STAGES = 3", "NUM_STAGES = 4")],
+    "regs_24_160_160": [("[24, 152, 152]", "[24, 160, 160]")],
+    # Timing only (wrong results): the outputs do nothing but the barrier protocol.
+    "outputs_skipped": [
+        (
+            "                cb = warpgroup_mma(c_s.index(s), b_s",
+            "                rows = t0",
+            "                gl.thread_barrier()\n"
+            "                mbarrier.arrive(bars.index(S_EMPTY + W), count=1)\n"
+            "                mbarrier.arrive(bars.index(EMPTY + s), count=1)\n"
+            "                acc = zeros\n",
+        ),
+    ],
+}
+LENGTHS = [300, 1, 0, 600, 256, 77]
+SLOTS = [5, 0, 2, 1, 4, 3]
+INIT = [True, False, True, True, False, True]
+
+
+def build(name: str, edits: list[tuple[str, ...]]):
+    src = SRC
+    for edit in edits:
+        if len(edit) == 3:
+            start, end, new = edit
+            i = src.index(start)
+            src = src[:i] + new + src[src.index(end, i) :]
+        else:
+            assert edit[0] in src, (name, edit[0])
+            src = src.replace(*edit)
+    path = f"/tmp/ssd_hopper_{name}.py"
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location(f"ssd_hopper_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    os.environ["SSMSERVE_SSD_GLUON"] = "1"
+    inp = make_inputs(LENGTHS, 8, 64, 1, 128, num_slots=6, dtype=torch.bfloat16, seed=11,
+                      with_dz=True, packed_xbc=True)  # fmt: skip
+    ref = {k: (v.float() if k in ("x", "B", "C", "z") and v is not None else v)
+           for k, v in inp.items()}  # fmt: skip
+    ref["ssm_state"] = inp["ssm_state"].clone()
+    y_ref = run(ssd_scan_varlen_ref, ref, LENGTHS, SLOTS, INIT)
+    pool = inp["ssm_state"].clone()
+    big = bs.make_inputs([32768], 128, 64, 128, 1, True)
+    big_pool = big["ssm_state"].clone()
+    os.environ["SSMSERVE_SSD_GLUON"] = "0"
+    y_tl = bs.call(ssd_scan_varlen_triton, big)
+    os.environ["SSMSERVE_SSD_GLUON"] = "1"
+    timed = functools.partial(bs.call, ssd_scan_varlen_triton, big)
+    launch = ssd_scan_hopper.launch_hopper_scan
+    ssd_scan_hopper.launch_hopper_scan = lambda *args: None
+    ms = triton.testing.do_bench(timed, warmup=50, rep=300)
+    print(f"no Gluon kernel (metadata launch, host): {ms:.3f} ms", flush=True)
+    try:
+        for name, edits in VARIANTS.items():
+            if len(sys.argv) > 1 and name not in sys.argv[1:]:
+                continue
+            ssd_scan_hopper.launch_hopper_scan = build(name, edits).launch_hopper_scan
+            errs = []
+            for _ in range(6):
+                inp["ssm_state"] = pool.clone()
+                y = run(ssd_scan_varlen_triton, inp, LENGTHS, SLOTS, INIT).float()
+                errs.append(((y - y_ref).norm() / y_ref.norm()).item())
+            big["ssm_state"] = big_pool.clone()
+            y = bs.call(ssd_scan_varlen_triton, big)
+            ms = triton.testing.do_bench(timed, warmup=50, rep=300)
+            print(f"{name:20s} rel. errors vs twin " + " ".join(f"{e:.1e}" for e in errs)
+                  + f" | 32k: {ms:.3f} ms, y vs Triton-language {rel_err(y, y_tl):.1e}",
+                  flush=True)  # fmt: skip
+    finally:
+        ssd_scan_hopper.launch_hopper_scan = launch
+
+
+if __name__ == "__main__":
+    main()
