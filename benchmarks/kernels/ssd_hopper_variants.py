@@ -54,6 +54,35 @@ VARIANTS: dict[str, list[tuple[str, ...]]] = {
         ),
     ],
 }
+# Timing only: the state chain alone (outputs skipped) without one of its parts.
+SKIP = VARIANTS["outputs_skipped"]
+VARIANTS.update({
+    "chain_no_release_fence": SKIP + [(
+        "            fence_async_shared()\n            gl.thread_barrier()\n"
+        "            mbarrier.arrive(bars.index(EMPTY + s)",
+        "            gl.thread_barrier()\n            mbarrier.arrive(bars.index(EMPTY + s)",
+    )],
+    "chain_no_snapshot": SKIP + [(
+        "            s_s.index(w).store(snap)\n            fence_async_shared()\n", "",
+    )],
+    "chain_no_dot": SKIP + [
+        ("            state = warpgroup_mma(a, b_s.index(s), state, is_async=True)\n", ""),
+        ("            state, a = warpgroup_mma_wait(num_outstanding=0, deps=(state, a))\n", ""),
+    ],
+    "chain_no_prep": SKIP + [(
+        "                a_next, end_next = _prep(x_s, cum_s, dt_s, (g + 1) % NS, a_s)\n",
+        "                a_next, end_next = a, end\n",
+    )],
+    # The x^T weighting of the state update in packed bf16 (one HMUL2 per two elements).
+    "prep_bf16x2": [(
+        "    return (xT.to(gl.float32) * weights[None, :]).to(dtype), end\n",
+        "    w2 = weights.to(dtype)[None, :] + gl.zeros_like(xT)\n"
+        "    prod = gl.inline_asm_elementwise('mul.rn.bf16x2 $0, $1, $2;', '=r,r,r',\n"
+        "                                     [xT, w2], dtype=gl.bfloat16, is_pure=True, pack=2)\n"
+        "    return prod, end\n",
+    )],
+})  # fmt: skip
+VARIANTS["chain_prep_bf16x2"] = SKIP + VARIANTS["prep_bf16x2"]
 LENGTHS = [300, 1, 0, 600, 256, 77]
 SLOTS = [5, 0, 2, 1, 4, 3]
 INIT = [True, False, True, True, False, True]
