@@ -83,6 +83,23 @@ VARIANTS.update({
     )],
 })  # fmt: skip
 VARIANTS["chain_prep_bf16x2"] = SKIP + VARIANTS["prep_bf16x2"]
+# Releases without a proxy fence: with D on the diagonal tile, no generic shared-memory
+# read of a stage is still in flight when either partition releases it.
+VARIANTS["no_release_fences"] = VARIANTS["chain_no_release_fence"][1:] + [(OUT_FENCE, "")]
+# The next chunk's scalars loaded as 1-element tensors and reduced at the chunk's end, so
+# the load's latency is not waited for at its issue.
+VARIANTS["late_chunk_scalars"] = [
+    ("        seq_next = gl.load(chunk_seq_ptr + c_next)\n"
+     "        nb_next = (gl.load(chunk_len_ptr + c_next) + BLOCK - 1) // BLOCK\n",
+     "        one = gl.arange(0, 1, layout=gl.BlockedLayout([1], [32], [4], [0]))\n"
+     "        seq_next_t = gl.load(chunk_seq_ptr + c_next + one)\n"
+     "        len_next_t = gl.load(chunk_len_ptr + c_next + one)\n"),
+    ("        if (seq_next != seq) | (c + 1 == num_chunks):\n",
+     "        seq_next = gl.sum(seq_next_t, 0)\n"
+     "        nb_next = (gl.sum(len_next_t, 0) + BLOCK - 1) // BLOCK\n"
+     "        if (seq_next != seq) | (c + 1 == num_chunks):\n"),
+]
+VARIANTS["both"] = VARIANTS["no_release_fences"] + VARIANTS["late_chunk_scalars"]
 LENGTHS = [300, 1, 0, 600, 256, 77]
 SLOTS = [5, 0, 2, 1, 4, 3]
 INIT = [True, False, True, True, False, True]
