@@ -167,9 +167,10 @@ def _state(descs, bufs, bars, ptrs, scal):
     offs_p = gl.arange(0, P, layout=gl.SliceLayout(1, mma_s))
     offs_n = gl.arange(0, N, layout=gl.SliceLayout(0, mma_s))
     state = gl.zeros([P, N], gl.float32, mma_s)
-    # Chunk scalars a chunk ahead, so their loads never stall the chain: a chunk starts
-    # a sequence when its sequence differs from the previous chunk's, and ends it when
-    # the next chunk's differs (or it is the last).
+    # The next chunk's scalars are loaded at the start of each chunk. A chunk starts a
+    # sequence when its sequence differs from the previous chunk's, and ends it when the
+    # next chunk's differs (or it is the last): slots and initial states are read only
+    # at sequence boundaries.
     seq_prev = -1
     seq = gl.load(chunk_seq_ptr)
     nb = (gl.load(chunk_len_ptr) + BLOCK - 1) // BLOCK
@@ -213,7 +214,8 @@ def _state(descs, bufs, bars, ptrs, scal):
                 a_next, end_next = _prep(x_s, cum_s, dt_s, (g + 1) % NS, a_s)
             state, a = warpgroup_mma_wait(num_outstanding=0, deps=(state, a))
             # Generic-proxy reads of the stage are ordered before the TMA copies that
-            # overwrite it (an in-flight shared load raced with them without this).
+            # overwrite it: a shared load still in flight at a release raced with them
+            # (docs/kernels_notes.md, fifth session).
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(bars.index(EMPTY + s), count=1)
