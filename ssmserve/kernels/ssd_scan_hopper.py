@@ -84,9 +84,9 @@ def hopper_scan_usable(
     tensors = [x, B, C, y] + ([z] if z is not None else [])
     if any(t.stride(2) != 1 for t in tensors) or ssm_state.stride(3) != 1:
         return False
-    if x.stride(1) != x.shape[2] or B.stride(1) != B.shape[2] or C.stride(1) != C.shape[2]:
-        return False  # the TMA copies view x, B and C as [T, heads * dim]
-    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 for t in (x, B, C))
+    if any(t.stride(1) != t.shape[2] for t in (x, B, C, y)):
+        return False  # the TMA copies view x, B, C and y as [T, heads * dim]
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 for t in (x, B, C, y))
 
 
 # constexpr arguments through gl.warp_specialize reach the partitions as runtime
@@ -238,6 +238,7 @@ def _outputs(descs, bufs, bars, ptrs, scal, W: gl.constexpr):
     dtype: gl.constexpr = x_s.dtype
     chunk_start_ptr, chunk_len_ptr = ptrs[0], ptrs[1]
     cum_buf_ptr, D_ptr, y_ptr, z_ptr = ptrs[4], ptrs[5], ptrs[6], ptrs[7]
+    y_desc, y_s = ptrs[11], ptrs[12]
     num_chunks, head, H = scal[0], scal[1], scal[3]
     stride_y_t, stride_y_h, has_z, stride_z_t, stride_z_h = (
         scal[8], scal[9], scal[10], scal[11], scal[12]
@@ -304,9 +305,23 @@ def _outputs(descs, bufs, bars, ptrs, scal, W: gl.constexpr):
                         mask=mask, other=0.0,
                     ).to(gl.float32)  # fmt: skip
                     acc *= zg / (1.0 + gl.exp(-zg))
-                gl.store(y_ptr + rows[:, None] * stride_y_t + head * stride_y_h + offs_py[None, :],
-                         acc.to(y_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+                if (m + 1) * BLOCK <= length:
+                    tma.store_wait(0)
+                    gl.thread_barrier()
+                    y_s.index(W).store(acc.to(dtype))
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    tma.async_copy_shared_to_global(
+                        y_desc, [(t0 + m * BLOCK).to(gl.int32), head * P], y_s.index(W)
+                    )
+                else:
+                    gl.store(
+                        y_ptr + rows[:, None] * stride_y_t + head * stride_y_h + offs_py[None, :],
+                        acc.to(y_ptr.dtype.element_ty),
+                        mask=mask,
+                    )
             g += 1
+    tma.store_wait(0)
 
 
 @jit
@@ -321,7 +336,7 @@ def _outputs_odd(descs, bufs, bars, ptrs, scal):
 
 @jit
 def _ssd_scan_hopper_kernel(
-    x_desc, b_desc, c_desc, cum_desc, dt_desc,
+    x_desc, b_desc, c_desc, cum_desc, dt_desc, y_desc,
     z_ptr, D_ptr, y_ptr, cum_buf_ptr,
     chunk_start_ptr, chunk_len_ptr, chunk_seq_ptr, seq_first_chunk_ptr, num_seqs,
     state_slots_ptr, has_init_ptr, state_ptr,
@@ -337,6 +352,7 @@ def _ssd_scan_hopper_kernel(
     dt_s = gl.allocate_shared_memory(gl.float32, [NS, BLOCK], dt_desc.layout)
     s_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([P, N], dtype)
     s_s = gl.allocate_shared_memory(dtype, [2, P, N], s_sl)
+    y_s = gl.allocate_shared_memory(dtype, [2, BLOCK, P], y_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [NUM_BARS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NS):
         mbarrier.init(bars.index(FULL + i), count=1)
@@ -353,7 +369,7 @@ def _ssd_scan_hopper_kernel(
     descs = (x_desc, b_desc, c_desc, cum_desc, dt_desc)
     bufs = (x_s, b_s, c_s, cum_s, dt_s, s_s)
     ptrs = (chunk_start_ptr, chunk_len_ptr, chunk_seq_ptr, seq_first_chunk_ptr, cum_buf_ptr,
-            D_ptr, y_ptr, z_ptr, state_ptr, state_slots_ptr, has_init_ptr)  # fmt: skip
+            D_ptr, y_ptr, z_ptr, state_ptr, state_slots_ptr, has_init_ptr, y_desc, y_s)  # fmt: skip
     scal = (num_chunks, head, group, H, G, stride_s_slot, stride_s_h, stride_s_p,
             stride_y_t, stride_y_h, has_z, stride_z_t, stride_z_h)  # fmt: skip
     args = (descs, bufs, bars, ptrs, scal)
@@ -385,10 +401,17 @@ def launch_hopper_scan(
     cum1, dt1 = layout["cum"].view(-1), layout["dt"].view(-1)
     cum_desc = TensorDescriptor(cum1, [cum1.numel()], [1], [blk], vec_layout)
     dt_desc = TensorDescriptor(dt1, [dt1.numel()], [1], [blk], vec_layout)
+    y_desc = TensorDescriptor(
+        y,
+        [T, H * P],
+        [y.stride(0), 1],
+        [blk, P],
+        gl.NVMMASharedLayout.get_default_for([blk, P], bf16),
+    )
     D = D if D is not None else torch.zeros(H, device=x.device)
     z_strides = z.stride()[:2] if z is not None else (0, 0)
     _ssd_scan_hopper_kernel[(H,)](
-        x_desc, b_desc, c_desc, cum_desc, dt_desc,
+        x_desc, b_desc, c_desc, cum_desc, dt_desc, y_desc,
         z if z is not None else y, D, y, layout["cum"],
         layout["chunk_start"], layout["chunk_len"], layout["chunk_seq"],
         layout["seq_first_chunk"], state_slots.shape[0],
