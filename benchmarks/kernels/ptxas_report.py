@@ -153,7 +153,7 @@ def hopper_kernel_report(N: int) -> str:
     from ssmserve.kernels import ssd_scan_hopper as hopper
 
     blk = hopper.BLOCK_TOKENS
-    descs = {"x_desc": (blk, 64), "b_desc": (blk, N), "c_desc": (blk, N)}
+    descs = {"x_desc": (blk, 64), "b_desc": (blk, N), "c_desc": (blk, N), "y_desc": (blk, 64)}
     vec = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     extra = {name: f"tensordesc<fp32[{blk}],{vec!r}>" for name in ("cum_desc", "dt_desc")}
     return gluon_report(hopper._ssd_scan_hopper_kernel, dict(P=64, N=N), descs,
