@@ -7,10 +7,12 @@ Each script runs in its own process, so the module-level RESULTS is that run's r
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import math
 import os
 import subprocess
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -97,6 +99,18 @@ def graph_replay_check(
         limit=1e-6,
     )
     return graph
+
+
+def module_from_source(name: str, src: str):
+    """Import `src` (an edited copy of a module's source) as a fresh module named `name`,
+    written to a temporary file (module.__file__), so variants compile side by side."""
+    path = os.path.join(tempfile.mkdtemp(), f"{name}.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def bench_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:

@@ -5,8 +5,8 @@ checked against the float32 twin and timed at 32k tokens, Bamba-9B dims, on an H
         python benchmarks/kernels/ssd_hopper_variants.py [variant ...]
 
 A variant is a list of edits to the module's source: (old, new) replaces text, (start,
-end, new) replaces the region from start up to end. Each variant is written to /tmp and
-imported as its own module, so variants compile side by side in one process. The check
+end, new) replaces the region from start up to end. Each variant is written to a
+temporary file and imported as its own module, so variants compile side by side. The check
 runs a varlen batch with D, z and initial states six times: the fifth session's
 shared-memory race showed only there, and not on every run. "no Gluon kernel" times the
 rest of the call (metadata launch and host work), which every variant includes.
@@ -17,14 +17,13 @@ each gave (variants adopted since are dropped here).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import sys
 
 import bench_ssd as bs
 import torch
 import triton.testing
-from bench_common import rel_err
+from bench_common import module_from_source, rel_err
 from test_triton_ssd_scan import make_inputs, run
 
 from ssmserve.kernels import ssd_scan_hopper
@@ -87,15 +86,19 @@ VARIANTS["no_release_fences"] = VARIANTS["chain_no_release_fence"][1:] + [(OUT_F
 # The next chunk's scalars loaded as 1-element tensors and reduced at the chunk's end, so
 # the load's latency is not waited for at its issue.
 VARIANTS["late_chunk_scalars"] = [
-    ("        seq_next = gl.load(chunk_seq_ptr + c_next)\n"
-     "        nb_next = (gl.load(chunk_len_ptr + c_next) + BLOCK - 1) // BLOCK\n",
-     "        one = gl.arange(0, 1, layout=gl.BlockedLayout([1], [32], [4], [0]))\n"
-     "        seq_next_t = gl.load(chunk_seq_ptr + c_next + one)\n"
-     "        len_next_t = gl.load(chunk_len_ptr + c_next + one)\n"),
-    ("        if (seq_next != seq) | (c + 1 == num_chunks):\n",
-     "        seq_next = gl.sum(seq_next_t, 0)\n"
-     "        nb_next = (gl.sum(len_next_t, 0) + BLOCK - 1) // BLOCK\n"
-     "        if (seq_next != seq) | (c + 1 == num_chunks):\n"),
+    (
+        "        seq_next = gl.load(chunk_seq_ptr + c_next)\n"
+        "        nb_next = (gl.load(chunk_len_ptr + c_next) + BLOCK - 1) // BLOCK\n",
+        "        one = gl.arange(0, 1, layout=gl.BlockedLayout([1], [32], [4], [0]))\n"
+        "        seq_next_t = gl.load(chunk_seq_ptr + c_next + one)\n"
+        "        len_next_t = gl.load(chunk_len_ptr + c_next + one)\n",
+    ),
+    (
+        "        if (seq_next != seq) | (c + 1 == num_chunks):\n",
+        "        seq_next = gl.sum(seq_next_t, 0)\n"
+        "        nb_next = (gl.sum(len_next_t, 0) + BLOCK - 1) // BLOCK\n"
+        "        if (seq_next != seq) | (c + 1 == num_chunks):\n",
+    ),
 ]
 VARIANTS["both"] = VARIANTS["no_release_fences"] + VARIANTS["late_chunk_scalars"]
 # y_by_tma (whole output blocks by TMA store, 0.886 -> 0.740 ms) was adopted at 7596233.
@@ -114,13 +117,7 @@ def build(name: str, edits: list[tuple[str, ...]]):
         else:
             assert edit[0] in src, (name, edit[0])
             src = src.replace(*edit)
-    path = f"/tmp/ssd_hopper_{name}.py"
-    with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location(f"ssd_hopper_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return module_from_source(f"ssd_hopper_{name}", src)
 
 
 def main() -> None:

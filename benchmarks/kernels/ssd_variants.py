@@ -10,15 +10,14 @@ and timed with triton.testing.do_bench at Bamba-9B mixer dims, 32k tokens, one s
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
-import tempfile
 import traceback
 
 import torch
 import triton.testing
+from bench_common import module_from_source
 
 # These variants are of the Triton-language kernel, which an H100/H200 otherwise skips
 # for bf16 inputs (ssd_scan_hopper.py takes those calls).
@@ -68,16 +67,6 @@ def variants(src: str) -> dict[str, str]:
     return out
 
 
-def load(name: str, src: str):
-    path = os.path.join(tempfile.mkdtemp(), "ssd_variant.py")
-    with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location(f"ssd_variant_{abs(hash(name))}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="variants.json")
@@ -111,7 +100,7 @@ def main() -> None:
             if opts.only and name not in opts.only.split(","):
                 continue
             try:
-                mod = load(name, vsrc)
+                mod = module_from_source(f"ssd_variant_{abs(hash(name))}", vsrc)
                 base = mod._launch_config
                 mod._launch_config = lambda *a, base=base, o=override: {**base(*a), **o}
                 fn = lambda mod=mod: mod.ssd_scan_varlen_triton(x, dt, A, B, C, D, **kw)  # noqa: E731
