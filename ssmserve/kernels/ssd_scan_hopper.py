@@ -248,14 +248,12 @@ def _outputs(descs, bufs, bars, ptrs, scal, W: gl.constexpr):
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, P, 16]
     )
     a_y: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_y, k_width=2)
-    # The diagonal tile C_m B_m^T [BLOCK, BLOCK] by wgmma from the stage's C and B, in the
-    # outputs' layout (P == BLOCK), so one zero tile serves both dots.
+    # The diagonal tile C_m B_m^T [BLOCK, BLOCK] by wgmma from the stage's C and B is in
+    # the outputs' layout (P == BLOCK): one zero tile serves both dots, and the columns
+    # index both the tile's keys and the outputs' head dim.
     gl.static_assert(P == BLOCK)
-    mma_c: gl.constexpr = mma_y
-    offs_rc = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, mma_c))
-    offs_kc = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, mma_c))
-    offs_ry = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, mma_y))
-    offs_py = gl.arange(0, P, layout=gl.SliceLayout(0, mma_y))
+    offs_r = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, mma_y))
+    offs_c = gl.arange(0, BLOCK, layout=gl.SliceLayout(0, mma_y))
     d = gl.load(D_ptr + head).to(gl.float32)
     zeros = gl.zeros([BLOCK, P], gl.float32, mma_y)
 
@@ -277,32 +275,31 @@ def _outputs(descs, bufs, bars, ptrs, scal, W: gl.constexpr):
                                     use_acc=False, is_async=True)  # fmt: skip
                 # The diagonal tile's operand while the C.S dot runs.
                 cum_v = cum_s.index(s)
-                cum_i = cum_v.load(gl.SliceLayout(1, mma_c))
-                cum_k = cum_v.load(gl.SliceLayout(0, mma_c))
-                dt_k = dt_s.index(s).load(gl.SliceLayout(0, mma_c))
-                causal = offs_rc[:, None] >= offs_kc[None, :]
+                cum_i = cum_v.load(gl.SliceLayout(1, mma_y))
+                cum_k = cum_v.load(gl.SliceLayout(0, mma_y))
+                dt_k = dt_s.index(s).load(gl.SliceLayout(0, mma_y))
+                causal = offs_r[:, None] >= offs_c[None, :]
                 decay = gl.exp2(gl.where(causal, cum_i[:, None] - cum_k[None, :], -float("inf")))
                 decay *= dt_k[None, :]
                 cb = warpgroup_mma_wait(num_outstanding=1, deps=(cb,))
                 # D x rides on the tile's diagonal (the operand is bf16 either way).
                 cbd = cb * decay
-                cbd = gl.where(offs_rc[:, None] == offs_kc[None, :], cbd + d, cbd)
+                cbd = gl.where(offs_r[:, None] == offs_c[None, :], cbd + d, cbd)
                 a = gl.convert_layout(cbd.to(dtype), a_y)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 gl.thread_barrier()
                 mbarrier.arrive(bars.index(S_EMPTY + W), count=1)
-                cum_y = cum_v.load(gl.SliceLayout(1, mma_y))
-                acc = acc * gl.exp2(cum_y - ref)[:, None]
+                acc = acc * gl.exp2(cum_i - ref)[:, None]
                 acc = warpgroup_mma(a, x_s.index(s), acc, is_async=True)
                 acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
                 fence_async_shared()  # see _state
                 gl.thread_barrier()
                 mbarrier.arrive(bars.index(EMPTY + s), count=1)
-                rows = t0 + m * BLOCK + offs_ry
-                mask = ((m * BLOCK + offs_ry) < length)[:, None] & (offs_py < P)[None, :]
+                rows = t0 + m * BLOCK + offs_r
+                mask = ((m * BLOCK + offs_r) < length)[:, None] & (offs_c < P)[None, :]
                 if has_z != 0:
                     zg = gl.load(
-                        z_ptr + rows[:, None] * stride_z_t + head * stride_z_h + offs_py[None, :],
+                        z_ptr + rows[:, None] * stride_z_t + head * stride_z_h + offs_c[None, :],
                         mask=mask, other=0.0,
                     ).to(gl.float32)  # fmt: skip
                     acc *= zg / (1.0 + gl.exp(-zg))
@@ -317,7 +314,7 @@ def _outputs(descs, bufs, bars, ptrs, scal, W: gl.constexpr):
                     )
                 else:
                     gl.store(
-                        y_ptr + rows[:, None] * stride_y_t + head * stride_y_h + offs_py[None, :],
+                        y_ptr + rows[:, None] * stride_y_t + head * stride_y_h + offs_c[None, :],
                         acc.to(y_ptr.dtype.element_ty),
                         mask=mask,
                     )
