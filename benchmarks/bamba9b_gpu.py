@@ -29,15 +29,37 @@ from ssmserve.engine.engine import LLMEngine
 from ssmserve.sampling_params import SamplingParams
 
 BAMBA_9B = dict(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-    num_attention_heads=32, num_key_value_heads=8, attn_layer_indices=[9, 18, 27],
-    mamba_n_heads=128, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4,
-    mamba_expand=2, mamba_chunk_size=256, max_position_embeddings=262144,
-    tie_word_embeddings=False, rms_norm_eps=1e-5,
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    attn_layer_indices=[9, 18, 27],
+    mamba_n_heads=128,
+    mamba_d_head=64,
+    mamba_n_groups=1,
+    mamba_d_state=128,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_chunk_size=256,
+    max_position_embeddings=262144,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
 )
-TINY = dict(BAMBA_9B, vocab_size=512, hidden_size=64, intermediate_size=96,
-            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16)
+TINY = dict(
+    BAMBA_9B,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    attn_layer_indices=[1],
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_d_state=16,
+)
 
 
 def make_folder(cfg: dict) -> str:
@@ -46,14 +68,18 @@ def make_folder(cfg: dict) -> str:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     path = tempfile.mkdtemp(prefix="bamba9b-")
-    transformers.BambaConfig(**cfg, bos_token_id=0, eos_token_id=1, pad_token_id=1,
-                             architectures=["BambaForCausalLM"], dtype="bfloat16"
-                             ).save_pretrained(path)
+    transformers.BambaConfig(
+        **cfg,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        architectures=["BambaForCausalLM"],
+        dtype="bfloat16",
+    ).save_pretrained(path)
     vocab = {f"t{i}": i for i in range(cfg["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1").save_pretrained(
-        path)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1").save_pretrained(path)
     return path
 
 
@@ -87,9 +113,16 @@ def correctness(path: str, vocab: int, device: str, dtype: str) -> dict:
     each against a float32 PyTorch-twin run on the same weights (rounded to `dtype`)."""
     prompt = ids(200, vocab, 1)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0)
-    common = dict(model=path, load_format="dummy", device=device, max_num_batched_tokens=512,
-                  max_model_len=4096, cache_memory=2 * 2**30, max_num_seqs=4,
-                  enforce_eager=True)
+    common = dict(
+        model=path,
+        load_format="dummy",
+        device=device,
+        max_num_batched_tokens=512,
+        max_model_len=4096,
+        cache_memory=2 * 2**30,
+        max_num_seqs=4,
+        enforce_eager=True,
+    )
     ref_engine = LLMEngine(EngineConfig(dtype="float32", kernel_backend="torch", **common))
     ref_lps, ref_tokens = _prompt_logprobs(ref_engine, prompt, params)
     ref_params = dict(ref_engine.model.named_parameters())
@@ -101,8 +134,7 @@ def correctness(path: str, vocab: int, device: str, dtype: str) -> dict:
                 p.copy_(ref_params[name])
         lps, tokens = _prompt_logprobs(engine, prompt, params)
         diffs = [abs(a - b) for a, b in zip(lps, ref_lps)]
-        agree = next((i for i, (x, y) in enumerate(zip(tokens, ref_tokens)) if x != y),
-                     len(tokens))
+        agree = next((i for i, (x, y) in enumerate(zip(tokens, ref_tokens)) if x != y), len(tokens))
         report[f"{backend}_{dtype}_vs_float32_mean_abs_logprob_diff"] = sum(diffs) / len(diffs)
         report[f"{backend}_{dtype}_vs_float32_max_abs_logprob_diff"] = max(diffs)
         report[f"{backend}_{dtype}_greedy_tokens_agreeing_with_float32"] = agree
@@ -114,12 +146,20 @@ def correctness(path: str, vocab: int, device: str, dtype: str) -> dict:
     return report
 
 
-def served_engine(path: str, device: str, dtype: str, prefill: int,
-                  max_num_seqs: int) -> LLMEngine:
+def served_engine(path: str, device: str, dtype: str, prefill: int, max_num_seqs: int) -> LLMEngine:
     """The engine as served (Triton kernels, CUDA graphs), sized for one `prefill` step."""
-    return LLMEngine(EngineConfig(model=path, load_format="dummy", device=device, dtype=dtype,
-                                  kernel_backend="auto", max_num_batched_tokens=prefill,
-                                  max_model_len=prefill + 1024, max_num_seqs=max_num_seqs))
+    return LLMEngine(
+        EngineConfig(
+            model=path,
+            load_format="dummy",
+            device=device,
+            dtype=dtype,
+            kernel_backend="auto",
+            max_num_batched_tokens=prefill,
+            max_model_len=prefill + 1024,
+            max_num_seqs=max_num_seqs,
+        )
+    )
 
 
 def speed(path: str, vocab: int, device: str, dtype: str, prefill: int) -> dict:
@@ -128,13 +168,19 @@ def speed(path: str, vocab: int, device: str, dtype: str, prefill: int) -> dict:
     engine = served_engine(path, device, dtype, prefill, max_num_seqs=128)
     out["engine_start_s"] = round(time.perf_counter() - t0, 1)
     out["cache"] = engine.stats()
-    engine.add_request("warm", ids(min(1024, prefill), vocab, 2),
-                       SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
+    engine.add_request(
+        "warm",
+        ids(min(1024, prefill), vocab, 2),
+        SamplingParams(max_tokens=4, ignore_eos=True, temperature=0),
+    )
     drain(engine)
 
     # One long prefill: the first step computes all `prefill` tokens and samples one.
-    engine.add_request("long", ids(prefill, vocab, 3),
-                       SamplingParams(max_tokens=129, ignore_eos=True, temperature=0))
+    engine.add_request(
+        "long",
+        ids(prefill, vocab, 3),
+        SamplingParams(max_tokens=129, ignore_eos=True, temperature=0),
+    )
     sync()
     t = time.perf_counter()
     engine.step()
@@ -168,8 +214,11 @@ def speed(path: str, vocab: int, device: str, dtype: str, prefill: int) -> dict:
     for batch in (1, 64):
         forward_ms.clear()
         for i in range(batch):
-            engine.add_request(f"b{batch}-{i}", ids(512, vocab, 10 + i),
-                               SamplingParams(max_tokens=65, ignore_eos=True, temperature=0))
+            engine.add_request(
+                f"b{batch}-{i}",
+                ids(512, vocab, 10 + i),
+                SamplingParams(max_tokens=65, ignore_eos=True, temperature=0),
+            )
         engine.step()  # the prefills
         sync()
         times = []
@@ -191,8 +240,11 @@ def speed(path: str, vocab: int, device: str, dtype: str, prefill: int) -> dict:
 def _kernel_table(prof, reps: int, top: int = 18) -> dict:
     """GPU time per kernel name (ms per rep), largest first, and the total."""
     totals: dict[str, list[float]] = {}
-    kind = (torch.autograd.DeviceType.CUDA if torch.cuda.is_available()
-            else torch.autograd.DeviceType.CPU)  # CPU: the --tiny smoke run
+    kind = (
+        torch.autograd.DeviceType.CUDA
+        if torch.cuda.is_available()
+        else torch.autograd.DeviceType.CPU
+    )  # CPU: the --tiny smoke run
     for evt in prof.events():
         if evt.device_type == kind:
             entry = totals.setdefault(evt.name[:90], [0.0, 0])
@@ -201,8 +253,10 @@ def _kernel_table(prof, reps: int, top: int = 18) -> dict:
     rows = sorted(totals.items(), key=lambda kv: -kv[1][0])
     return {
         "total_ms": round(sum(v[0] for v in totals.values()), 3),
-        "kernels": [{"name": k, "ms": round(v[0], 4), "launches_per_rep": v[1] / reps}
-                    for k, v in rows[:top]],
+        "kernels": [
+            {"name": k, "ms": round(v[0], 4), "launches_per_rep": v[1] / reps}
+            for k, v in rows[:top]
+        ],
     }
 
 
@@ -213,21 +267,24 @@ def profile(path: str, vocab: int, device: str, dtype: str, prefill: int) -> dic
     from torch.profiler import profile as torch_profile
 
     engine = served_engine(path, device, dtype, prefill, max_num_seqs=8)
-    engine.add_request("warm", ids(1024, vocab, 2),
-                       SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))
+    engine.add_request(
+        "warm", ids(1024, vocab, 2), SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
+    )
     drain(engine)
     out = {}
     activities = [ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]
-    engine.add_request("long", ids(prefill, vocab, 3),
-                       SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
+    engine.add_request(
+        "long", ids(prefill, vocab, 3), SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
+    )
     sync()
     with torch_profile(activities=activities) as prof:
         engine.step()
         sync()
     out["prefill"] = _kernel_table(prof, 1)
     drain(engine)
-    engine.add_request("d", ids(512, vocab, 4),
-                       SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))
+    engine.add_request(
+        "d", ids(512, vocab, 4), SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
+    )
     for _ in range(8):  # the prefill and a few decode steps (graph capture is done)
         engine.step()
     sync()
@@ -263,8 +320,18 @@ def kernel_timings() -> dict:
         slots = torch.arange(batch, device=dev)
 
         call = functools.partial(
-            ops.selective_state_update, state, x, dt, A[:, None, None].expand(H, P, N), Bm, Cm,
-            D, dt_bias=dt_bias, dt_softplus=True, state_slots=slots)
+            ops.selective_state_update,
+            state,
+            x,
+            dt,
+            A[:, None, None].expand(H, P, N),
+            Bm,
+            Cm,
+            D,
+            dt_bias=dt_bias,
+            dt_softplus=True,
+            state_slots=slots,
+        )
 
         for _ in range(3):
             call()
@@ -292,11 +359,22 @@ def kernel_timings() -> dict:
     D = torch.randn(H, device=dev)
     pool = torch.zeros(1, H, P, N, device=dev)
     cu = torch.tensor([0, T], device=dev, dtype=torch.int32)
-    ms = triton.testing.do_bench(lambda: ops.ssd_scan_varlen(
-        x, dt, A, Bm, Cm, D, cu_seqlens=cu, ssm_state=pool,
-        state_slots=torch.zeros(1, dtype=torch.long, device=dev),
-        has_initial_state=torch.zeros(1, dtype=torch.bool, device=dev),
-        dt_bias=torch.randn(H, device=dev)), return_mode="median")
+    ms = triton.testing.do_bench(
+        lambda: ops.ssd_scan_varlen(
+            x,
+            dt,
+            A,
+            Bm,
+            Cm,
+            D,
+            cu_seqlens=cu,
+            ssm_state=pool,
+            state_slots=torch.zeros(1, dtype=torch.long, device=dev),
+            has_initial_state=torch.zeros(1, dtype=torch.bool, device=dev),
+            dt_bias=torch.randn(H, device=dev),
+        ),
+        return_mode="median",
+    )
     out["ssd_scan_32k_bamba9b_ms"] = round(ms, 3)
     return out
 
@@ -306,24 +384,35 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="small config on CPU (smoke test)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--prefill", type=int, default=32768)
-    ap.add_argument("--sections", default="kernels,correctness,speed",
-                    help="comma-separated subset of kernels,correctness,speed,profile")
+    ap.add_argument(
+        "--sections",
+        default="kernels,correctness,speed",
+        help="comma-separated subset of kernels,correctness,speed,profile",
+    )
     args = ap.parse_args()
     cfg = TINY if args.tiny else BAMBA_9B
     device = "cpu" if args.tiny else "cuda"
     dtype = "float32" if args.tiny else "bfloat16"
     prefill = 256 if args.tiny else args.prefill
     path = make_folder(cfg)
-    report = {"date": time.strftime("%Y-%m-%d"), "config": "tiny" if args.tiny else "Bamba-9B",
-              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "torch": torch.__version__}
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "config": "tiny" if args.tiny else "Bamba-9B",
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+    }
     # The device copy of the tree may have no usable .git: pass SSMSERVE_COMMIT there.
-    report["commit"] = os.environ.get("SSMSERVE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    sections = [("correctness", lambda: correctness(path, cfg["vocab_size"], device, dtype)),
-                ("speed", lambda: speed(path, cfg["vocab_size"], device, dtype, prefill)),
-                ("profile", lambda: profile(path, cfg["vocab_size"], device, dtype, prefill))]
+    report["commit"] = (
+        os.environ.get("SSMSERVE_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
+    sections = [
+        ("correctness", lambda: correctness(path, cfg["vocab_size"], device, dtype)),
+        ("speed", lambda: speed(path, cfg["vocab_size"], device, dtype, prefill)),
+        ("profile", lambda: profile(path, cfg["vocab_size"], device, dtype, prefill)),
+    ]
     if device == "cuda":
         sections.insert(0, ("kernels", kernel_timings))
     wanted = set(args.sections.split(","))

@@ -35,11 +35,15 @@ def main() -> None:
     config = EngineConfig.from_args(args, model=args.model)
     rows = run_throughput(config, args.num_prompts, args.input_len, args.output_len)
     print_table(rows)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    machine = (torch.cuda.get_device_name() if config.device != "cpu" and
-               torch.cuda.is_available() else f"{platform.processor() or platform.machine()}, "
-               f"{os.cpu_count()} cores, torch {torch.__version__}")
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    machine = (
+        torch.cuda.get_device_name()
+        if config.device != "cpu" and torch.cuda.is_available()
+        else f"{platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, torch {torch.__version__}"
+    )
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine,
@@ -58,8 +62,10 @@ def main() -> None:
             f.write(f"- {key}: `{report[key]}`\n")
         f.write("\n| mode | output tok/s | total tok/s | seconds |\n| --- | --- | --- | --- |\n")
         for r in rows:
-            f.write(f"| {r['mode']} | {r['output_tokens_per_s']} | {r['total_tokens_per_s']} "
-                    f"| {r['seconds']} |\n")
+            f.write(
+                f"| {r['mode']} | {r['output_tokens_per_s']} | {r['total_tokens_per_s']} "
+                f"| {r['seconds']} |\n"
+            )
     print(f"wrote {stem}.json and .md")
 
 

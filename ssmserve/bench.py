@@ -20,8 +20,9 @@ def _drain(engine: LLMEngine) -> None:
         engine.step()
 
 
-def run_throughput(config: EngineConfig, num_prompts: int, input_len: int,
-                   output_len: int) -> list[dict]:
+def run_throughput(
+    config: EngineConfig, num_prompts: int, input_len: int, output_len: int
+) -> list[dict]:
     """Time `num_prompts` requests of input_len -> output_len tokens (ignore_eos), all at
     once (continuous batching) and one after another. Returns one row per mode."""
     engine = LLMEngine(config)
@@ -43,15 +44,17 @@ def run_throughput(config: EngineConfig, num_prompts: int, input_len: int,
                 _drain(engine)
         elapsed = time.perf_counter() - start
         out_tokens = num_prompts * output_len
-        rows.append({
-            "mode": mode,
-            "num_prompts": num_prompts,
-            "input_len": input_len,
-            "output_len": output_len,
-            "seconds": round(elapsed, 3),
-            "output_tokens_per_s": round(out_tokens / elapsed, 1),
-            "total_tokens_per_s": round(num_prompts * (input_len + output_len) / elapsed, 1),
-        })
+        rows.append(
+            {
+                "mode": mode,
+                "num_prompts": num_prompts,
+                "input_len": input_len,
+                "output_len": output_len,
+                "seconds": round(elapsed, 3),
+                "output_tokens_per_s": round(out_tokens / elapsed, 1),
+                "total_tokens_per_s": round(num_prompts * (input_len + output_len) / elapsed, 1),
+            }
+        )
     return rows
 
 

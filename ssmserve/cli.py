@@ -17,8 +17,13 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed-sampling", dest="sampling_seed", type=int, default=None,
-                   help="per-request sampling seed")
+    g.add_argument(
+        "--seed-sampling",
+        dest="sampling_seed",
+        type=int,
+        default=None,
+        help="per-request sampling seed",
+    )
     g.add_argument("--n", type=int, default=1, help="completions per prompt")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
@@ -31,10 +36,18 @@ def _sampling_params(args: argparse.Namespace):
     from ssmserve.sampling_params import SamplingParams
 
     return SamplingParams(
-        n=args.n, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        n=args.n,
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
     )
 
@@ -68,7 +81,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 final = result
                 if params.n == 1:
                     text = result.outputs[0].text
-                    out.write(text[shown[0]:])
+                    out.write(text[shown[0] :])
                     out.flush()
                     shown[0] = len(text)
         if params.n > 1 and final is not None:
@@ -86,8 +99,11 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = sub.add_parser("generate", help="complete prompts, streaming to the terminal")
     gen.add_argument("prompt", nargs="*", help="prompt text (default: 'def fibonacci(n):')")
-    gen.add_argument("--model", default=None,
-                     help="checkpoint folder or cached hub id (default: the bundled model)")
+    gen.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint folder or cached hub id (default: the bundled model)",
+    )
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=run_generate)
@@ -98,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.set_defaults(func=run_serve)
 
     bench = sub.add_parser("bench", help="offline throughput / latency benchmarks")
-    bench.add_argument("kind", choices=["throughput"],
-                       help="throughput: continuous batching vs one request at a time")
+    bench.add_argument(
+        "kind",
+        choices=["throughput"],
+        help="throughput: continuous batching vs one request at a time",
+    )
     bench.add_argument("--model", default=None)
     bench.add_argument("--num-prompts", type=int, default=32)
     bench.add_argument("--input-len", type=int, default=64)
@@ -108,16 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     bench.set_defaults(func=_run_bench)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)
 
 
 def _run_bench(args: argparse.Namespace) -> int:
     from ssmserve.bench import print_table, run_throughput
 
-    rows = run_throughput(EngineConfig.from_args(args, model=args.model), args.num_prompts,
-                          args.input_len, args.output_len)
+    rows = run_throughput(
+        EngineConfig.from_args(args, model=args.model),
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+    )
     print_table(rows)
     return 0
 

@@ -177,30 +177,65 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Engine flags, under vLLM's names where the meaning is the same (--model not included)."""
     g = parser.add_argument_group("engine")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    g.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="weights/activations; auto = float32 on CPU, the checkpoint's 16-bit "
-                   "type on GPU")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="weights/activations; auto = float32 on CPU, the checkpoint's 16-bit type on GPU",
+    )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output, in tokens (default: the model's limit)")
-    g.add_argument("--max-num-seqs", type=int, default=256,
-                   help="most requests running at once (one SSM state slot each)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step; longer prompts are prefilled in chunks")
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output, in tokens (default: the model's limit)",
+    )
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=256,
+        help="most requests running at once (one SSM state slot each)",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one step; longer prompts are prefilled in chunks",
+    )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    g.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="override the number of KV-cache blocks the memory planner picks")
-    g.add_argument("--cache-memory", type=int, default=None,
-                   help="bytes for KV blocks and state slots (CPU; default 256 MiB)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory the engine may use")
+    g.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="override the number of KV-cache blocks the memory planner picks",
+    )
+    g.add_argument(
+        "--cache-memory",
+        type=int,
+        default=None,
+        help="bytes for KV blocks and state slots (CPU; default 256 MiB)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory the engine may use",
+    )
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    g.add_argument("--mamba-ssm-cache-dtype", default="float32", choices=STATE_DTYPES,
-                   help="dtype of the SSM state (float32 keeps long outputs exact)")
+    g.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="float32",
+        choices=STATE_DTYPES,
+        help="dtype of the SSM state (float32 keeps long outputs exact)",
+    )
     g.add_argument("--kernel-backend", default="auto", choices=("auto", "triton", "torch"))
-    g.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
-                   help="dummy = random weights of the right shapes (benchmarks)")
+    g.add_argument(
+        "--load-format",
+        default="auto",
+        choices=("auto", "dummy"),
+        help="dummy = random weights of the right shapes (benchmarks)",
+    )
     g.add_argument("--seed", type=int, default=0)
     return parser
 

@@ -76,15 +76,18 @@ class LLM:
         prompts = []
         for conv in conversations:
             text = tokenizer.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                conv,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
             )
             ids = tokenizer(text, add_special_tokens=False).input_ids
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [str(next(self._ids)) for _ in prompts]
         added = []

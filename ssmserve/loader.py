@@ -70,11 +70,15 @@ def load_weights(model: CausalLM, path: str) -> None:
     if missing or unexpected:
         parts = []
         if missing:
-            parts.append(f"missing from the checkpoint: {', '.join(missing[:10])}"
-                         + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
+            parts.append(
+                f"missing from the checkpoint: {', '.join(missing[:10])}"
+                + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else "")
+            )
         if unexpected:
-            parts.append(f"not used by the model: {', '.join(sorted(unexpected)[:10])}"
-                         + (f" (+{len(unexpected) - 10} more)" if len(unexpected) > 10 else ""))
+            parts.append(
+                f"not used by the model: {', '.join(sorted(unexpected)[:10])}"
+                + (f" (+{len(unexpected) - 10} more)" if len(unexpected) > 10 else "")
+            )
         raise ValueError(
             f"checkpoint {path} does not match its config.json ({'; '.join(parts)}); "
             "check that config.json and the weights come from the same model"

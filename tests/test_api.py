@@ -32,8 +32,9 @@ def test_text_token_and_chat_prompts_agree(checkpoint):
     chat = llm.chat(messages, GREEDY)[0]
     rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered.endswith("<|assistant|>\n")
-    direct = llm.generate({"prompt_token_ids": tok(rendered, add_special_tokens=False).input_ids},
-                          GREEDY)[0]
+    direct = llm.generate(
+        {"prompt_token_ids": tok(rendered, add_special_tokens=False).input_ids}, GREEDY
+    )[0]
     assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
     two = llm.chat([messages, [{"role": "user", "content": "hi"}]], GREEDY)
     assert len(two) == 2 and two[0].outputs[0].token_ids == chat.outputs[0].token_ids
@@ -87,28 +88,58 @@ def test_loading_errors_name_the_problem(checkpoint, tmp_path):
     weights.pop("backbone.norm_f.weight")
     weights["backbone.extra.weight"] = torch.zeros(2)
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="missing from the checkpoint: backbone.norm_f.weight.*"
-                                         "not used by the model: backbone.extra.weight"):
+    with pytest.raises(
+        ValueError,
+        match="missing from the checkpoint: backbone.norm_f.weight.*"
+        "not used by the model: backbone.extra.weight",
+    ):
         LLM(str(path))
 
 
 def test_cli_generate_prints_a_completion(checkpoint):
     path = checkpoint("bamba")
     proc = subprocess.run(
-        [sys.executable, "-m", "ssmserve.cli", "generate", "--model", path,
-         "--max-tokens", "8", "--ignore-eos", "hello"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "ssmserve.cli",
+            "generate",
+            "--model",
+            path,
+            "--max-tokens",
+            "8",
+            "--ignore-eos",
+            "hello",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    expected = LLM(path, device="cpu").generate("hello", SamplingParams(
-        max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0].text
+    expected = (
+        LLM(path, device="cpu")
+        .generate("hello", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+        .outputs[0]
+        .text
+    )
     assert proc.stdout == "hello" + expected + "\n"
 
 
 def test_cli_reports_bad_flags_clearly(checkpoint):
     proc = subprocess.run(
-        [sys.executable, "-m", "ssmserve.cli", "generate", "--model", checkpoint("bamba"),
-         "--temperature", "-1", "hi"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "ssmserve.cli",
+            "generate",
+            "--model",
+            checkpoint("bamba"),
+            "--temperature",
+            "-1",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 2 and "temperature must be >= 0" in proc.stderr

@@ -22,8 +22,10 @@ def test_graph_decode_equals_eager_decode(checkpoint, variant):
     for a, b in zip(eager, graphed):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for i, t in enumerate(a.outputs[0].token_ids):
-            assert abs(a.outputs[0].logprobs[i][t].logprob
-                       - b.outputs[0].logprobs[i][t].logprob) < 1e-3
+            assert (
+                abs(a.outputs[0].logprobs[i][t].logprob - b.outputs[0].logprobs[i][t].logprob)
+                < 1e-3
+            )
     stats = llm.stats()
     assert stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0
 
@@ -35,18 +37,27 @@ def test_fused_prefill_attention_equals_cpu_paged(checkpoint, variant, monkeypat
     from ssmserve.layers.attention import FUSED_PREFILL_MIN_TOKENS, Attention
 
     long_len = FUSED_PREFILL_MIN_TOKENS + 37
-    prompts = [{"prompt_token_ids": [3 + (7 * i + n) % 250 for i in range(n)]}
-               for n in (long_len, 5, long_len + 200, 40)]  # fmt: skip
+    prompts = [
+        {"prompt_token_ids": [3 + (7 * i + n) % 250 for i in range(n)]}
+        for n in (long_len, 5, long_len + 200, 40)
+    ]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0)
-    kwargs = dict(dtype="float32", max_num_seqs=8, max_model_len=2048, cache_memory=2**28,
-                  max_num_batched_tokens=4096, kernel_backend="torch")  # fmt: skip
+    kwargs = dict(
+        dtype="float32",
+        max_num_seqs=8,
+        max_model_len=2048,
+        cache_memory=2**28,
+        max_num_batched_tokens=4096,
+        kernel_backend="torch",
+    )
     cpu = LLM(checkpoint(variant), device="cpu", **kwargs).generate(prompts, params)
     fused_lengths = []
     fused = Attention._fused_causal
     monkeypatch.setattr(
-        Attention, "_fused_causal",
+        Attention,
+        "_fused_causal",
         lambda self, q, k, v: (fused_lengths.append(q.shape[0]), fused(self, q, k, v))[1],
-    )  # fmt: skip
+    )
     gpu = LLM(checkpoint(variant), device="cuda", enforce_eager=True, **kwargs).generate(
         prompts, params
     )
@@ -55,6 +66,11 @@ def test_fused_prefill_attention_equals_cpu_paged(checkpoint, variant, monkeypat
     for a, b in zip(cpu, gpu):
         tokens = a.prompt_token_ids
         for i in range(1, len(tokens)):
-            assert abs(a.prompt_logprobs[i][tokens[i]].logprob
-                       - b.prompt_logprobs[i][tokens[i]].logprob) < 2e-3  # fmt: skip
+            assert (
+                abs(
+                    a.prompt_logprobs[i][tokens[i]].logprob
+                    - b.prompt_logprobs[i][tokens[i]].logprob
+                )
+                < 2e-3
+            )
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

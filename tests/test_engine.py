@@ -73,8 +73,11 @@ def test_batch_of_lengths_1_to_100_equals_alone(checkpoint, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_requests_arriving_mid_flight(checkpoint, references, family):
     prompts, expected = references(family)
-    engine = LLMEngine(EngineConfig(model=checkpoint(family), device="cpu", dtype="float32",
-                                    max_num_batched_tokens=9))
+    engine = LLMEngine(
+        EngineConfig(
+            model=checkpoint(family), device="cpu", dtype="float32", max_num_batched_tokens=9
+        )
+    )
     finished = {}
     pending = list(enumerate(prompts))
     step = 0
@@ -131,8 +134,11 @@ def test_memory_planner_lowers_max_num_seqs_instead_of_failing(checkpoint, caplo
 @pytest.mark.parametrize("family", ["bamba", "mamba2", "llama"])
 def test_abort_mid_prefill_and_mid_decode(checkpoint, references, family):
     prompts, expected = references(family)
-    engine = LLMEngine(EngineConfig(model=checkpoint(family), device="cpu", dtype="float32",
-                                    max_num_batched_tokens=8))
+    engine = LLMEngine(
+        EngineConfig(
+            model=checkpoint(family), device="cpu", dtype="float32", max_num_batched_tokens=8
+        )
+    )
     engine.add_request("keep", prompts[3], GREEDY)
     engine.add_request("prefill", prompts[4], GREEDY)  # 40 tokens: several steps of prefill
     engine.add_request("decode", prompts[1], GREEDY)
@@ -162,13 +168,17 @@ def test_prompt_longer_than_max_model_len_is_rejected_at_once(checkpoint):
 
 
 def test_prompt_larger_than_the_whole_kv_cache_is_rejected(checkpoint):
-    engine = LLMEngine(EngineConfig(model=checkpoint("llama"), device="cpu", num_kv_blocks=4,
-                                    block_size=8))
+    engine = LLMEngine(
+        EngineConfig(model=checkpoint("llama"), device="cpu", num_kv_blocks=4, block_size=8)
+    )
     with pytest.raises(InvalidRequestError, match="KV cache holds at most 32 tokens"):
         engine.add_request("big", {"prompt_token_ids": [5] * 40}, GREEDY)
     # A request that fits still runs, and generation stops when the cache is full.
-    engine.add_request("ok", {"prompt_token_ids": [5] * 20},
-                       SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    engine.add_request(
+        "ok",
+        {"prompt_token_ids": [5] * 20},
+        SamplingParams(max_tokens=100, temperature=0, ignore_eos=True),
+    )
     final = None
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -22,12 +22,18 @@ MAX_TOKENS = 24
 def hf_greedy(path: str, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = torch.tensor([prompt_ids])
-    out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True,
-                         pad_token_id=model.config.eos_token_id)
-    tokens = out.sequences[0, ids.shape[1]:].tolist()
-    lps = [torch.log_softmax(step[0].float(), -1)[tok].item()
-           for step, tok in zip(out.logits, tokens)]
+    out = model.generate(
+        ids,
+        max_new_tokens=MAX_TOKENS,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=model.config.eos_token_id,
+    )
+    tokens = out.sequences[0, ids.shape[1] :].tolist()
+    lps = [
+        torch.log_softmax(step[0].float(), -1)[tok].item() for step, tok in zip(out.logits, tokens)
+    ]
     return tokens, lps
 
 

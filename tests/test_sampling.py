@@ -32,8 +32,11 @@ def test_same_seed_same_output_whatever_else_is_in_the_batch(llm):
     assert batch[3].outputs[0].token_ids == alone
     again = llm.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
     assert again == alone
-    different = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=16, temperature=1.0,
-                                                          seed=99))[0].outputs[0].token_ids
+    different = (
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=16, temperature=1.0, seed=99))[0]
+        .outputs[0]
+        .token_ids
+    )
     assert different != alone
 
 
@@ -107,43 +110,63 @@ def test_repetition_penalty_matches_transformers(checkpoint):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     prompt = "x = x + x"
     ids = tok(prompt, return_tensors="pt").input_ids
-    ref = model.generate(ids, max_new_tokens=20, do_sample=False, repetition_penalty=1.8,
-                         pad_token_id=tok.eos_token_id)[0, ids.shape[1]:].tolist()
-    got = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0,
-                                                repetition_penalty=1.8))[0]
+    ref = model.generate(
+        ids,
+        max_new_tokens=20,
+        do_sample=False,
+        repetition_penalty=1.8,
+        pad_token_id=tok.eos_token_id,
+    )[0, ids.shape[1] :].tolist()
+    got = llm.generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.8)
+    )[0]
     assert got.outputs[0].token_ids == ref[: len(got.outputs[0].token_ids)]
 
 
 def test_stop_strings_end_the_text_and_are_not_included(llm):
-    base = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0,
-                                                     ignore_eos=True))[0].outputs[0]
+    base = llm.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    )[0].outputs[0]
     stop = base.text[5:8]
     assert stop and stop in base.text
-    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0,
-                                                    ignore_eos=True, stop=[stop]))[0].outputs[0]
+    out = llm.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
+    )[0].outputs[0]
     cut = base.text.index(stop)
     assert out.text == base.text[:cut]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    kept = llm.generate([PROMPTS[0]], SamplingParams(
-        max_tokens=24, temperature=0, ignore_eos=True, stop=[stop],
-        include_stop_str_in_output=True))[0].outputs[0]
-    assert kept.text == base.text[:cut + len(stop)]
+    kept = llm.generate(
+        [PROMPTS[0]],
+        SamplingParams(
+            max_tokens=24,
+            temperature=0,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=True,
+        ),
+    )[0].outputs[0]
+    assert kept.text == base.text[: cut + len(stop)]
 
 
 def test_stop_token_ids_min_tokens_and_max_tokens(llm):
-    base = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=20, temperature=0,
-                                                     ignore_eos=True))[0].outputs[0]
+    base = llm.generate(
+        [PROMPTS[2]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    )[0].outputs[0]
     assert base.finish_reason == "length" and len(base.token_ids) == 20
     stop_id = base.token_ids[2]
     first = base.token_ids.index(stop_id)
-    out = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=20, temperature=0,
-                                                    stop_token_ids=[stop_id]))[0].outputs[0]
+    out = llm.generate(
+        [PROMPTS[2]], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_id])
+    )[0].outputs[0]
     assert out.token_ids == base.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     # min_tokens forbids the stop token until enough tokens exist.
-    out = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=20, temperature=0,
-                                                    stop_token_ids=[stop_id],
-                                                    min_tokens=first + 2))[0].outputs[0]
+    out = llm.generate(
+        [PROMPTS[2]],
+        SamplingParams(
+            max_tokens=20, temperature=0, stop_token_ids=[stop_id], min_tokens=first + 2
+        ),
+    )[0].outputs[0]
     assert len(out.token_ids) >= first + 2
     assert stop_id not in out.token_ids[: first + 1]
 
@@ -153,8 +176,10 @@ def test_logprobs_shape_and_prompt_logprobs_match_transformers(checkpoint):
     llm = LLM(path, device="cpu", dtype="float32")
     tok = llm.get_tokenizer()
     prompt = "def greet(name):\n    print(name)"
-    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.9, seed=3,
-                                                logprobs=3, prompt_logprobs=2))[0]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=6, temperature=0.9, seed=3, logprobs=3, prompt_logprobs=2),
+    )[0]
     ids = tok(prompt).input_ids
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
@@ -172,9 +197,11 @@ def test_logprobs_shape_and_prompt_logprobs_match_transformers(checkpoint):
         top = sorted((lp for lp in entry.values() if lp.rank <= 3), key=lambda x: x.rank)
         assert [lp.rank for lp in top] == [1, 2, 3]
         assert all(a.logprob >= b.logprob for a, b in zip(top, top[1:]))
-    assert math.isclose(comp.cumulative_logprob,
-                        sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs)),
-                        rel_tol=1e-6)
+    assert math.isclose(
+        comp.cumulative_logprob,
+        sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs)),
+        rel_tol=1e-6,
+    )
 
 
 @pytest.mark.parametrize(

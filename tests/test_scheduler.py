@@ -12,7 +12,9 @@ from ssmserve.scheduler import Request, RequestStatus, Scheduler
 
 def make(budget=8, max_seqs=4, blocks=12, block_size=4, slots=4, limit=10_000):
     return Scheduler(
-        max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_tokens_per_request=limit,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        max_tokens_per_request=limit,
         block_pool=BlockPool(blocks, block_size) if blocks else None,
         state_pool=StatePool(slots) if slots else None,
     )
@@ -82,8 +84,9 @@ def test_random_workloads_respect_budgets_and_free_everything(
         # A request can grow up to prompt + max_tokens; the engine rejects what never fits.
         blocks = max(blocks, -(-(max(prompt_lens) + max_tokens) // block_size))
     s = make(budget, max_seqs, blocks, block_size, slots=max_seqs)
-    reqs = [Request(f"r{i}", list(range(n)), max_tokens=max_tokens)
-            for i, n in enumerate(prompt_lens)]
+    reqs = [
+        Request(f"r{i}", list(range(n)), max_tokens=max_tokens) for i, n in enumerate(prompt_lens)
+    ]
     run(s, reqs, abort_at=aborts)
     for r in reqs:
         assert r.is_finished
@@ -104,7 +107,9 @@ def test_decodes_are_served_before_prefills_and_budget_splits_prompts():
     s.update(plan, {"a": 9})
     plan = s.schedule()
     assert [(c.request.request_id, c.start, c.num_new_tokens) for c in plan.chunks] == [
-        ("a", 4, 1), ("b", 4, 4)]
+        ("a", 4, 1),
+        ("b", 4, 4),
+    ]
 
 
 def test_newest_request_is_preempted_and_recomputed():
@@ -137,19 +142,43 @@ def test_token_stops():
 
 @pytest.mark.parametrize("kv", [True, False])
 def test_planner_splits_budget_and_lowers_max_num_seqs(kv, caplog):
-    plan = plan_cache(budget_bytes=10_000, bytes_per_block=100 if kv else 0,
-                      bytes_per_slot=1_000, block_size=16, max_num_seqs=256,
-                      max_model_len=320)
+    plan = plan_cache(
+        budget_bytes=10_000,
+        bytes_per_block=100 if kv else 0,
+        bytes_per_slot=1_000,
+        block_size=16,
+        max_num_seqs=256,
+        max_model_len=320,
+    )
     assert plan.max_num_seqs == plan.num_state_slots == (8 if kv else 10)
     assert "lowering max_num_seqs" in caplog.text
     if kv:
         assert plan.num_kv_blocks == 20 and plan.max_tokens_per_request == 320
-    big = plan_cache(budget_bytes=10**9, bytes_per_block=100, bytes_per_slot=1_000,
-                     block_size=16, max_num_seqs=4, max_model_len=320)
+    big = plan_cache(
+        budget_bytes=10**9,
+        bytes_per_block=100,
+        bytes_per_slot=1_000,
+        block_size=16,
+        max_num_seqs=4,
+        max_model_len=320,
+    )
     assert big.num_state_slots == 4 and big.num_kv_blocks == (10**9 - 4_000) // 100
-    fixed = plan_cache(budget_bytes=10**9, bytes_per_block=100, bytes_per_slot=1_000,
-                       block_size=16, max_num_seqs=4, max_model_len=320, num_kv_blocks=3)
+    fixed = plan_cache(
+        budget_bytes=10**9,
+        bytes_per_block=100,
+        bytes_per_slot=1_000,
+        block_size=16,
+        max_num_seqs=4,
+        max_model_len=320,
+        num_kv_blocks=3,
+    )
     assert fixed.num_kv_blocks == 3 and fixed.max_tokens_per_request == 48
     with pytest.raises(ValueError, match="cannot hold one SSM state slot"):
-        plan_cache(budget_bytes=500, bytes_per_block=0, bytes_per_slot=1_000, block_size=16,
-                   max_num_seqs=4, max_model_len=320)
+        plan_cache(
+            budget_bytes=500,
+            bytes_per_block=0,
+            bytes_per_slot=1_000,
+            block_size=16,
+            max_num_seqs=4,
+            max_model_len=320,
+        )

@@ -35,5 +35,7 @@ def test_triton_backend_matches_torch_backend(checkpoint, variant):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         assert ta == tb
         for i, t in enumerate(ta):
-            assert abs(a.outputs[0].logprobs[i][t].logprob - b.outputs[0].logprobs[i][t].logprob) \
+            assert (
+                abs(a.outputs[0].logprobs[i][t].logprob - b.outputs[0].logprobs[i][t].logprob)
                 < 1e-4
+            )

@@ -67,31 +67,69 @@ def _hf_config(family: str, vocab_size: int, eos: int, **overrides):
     common = dict(vocab_size=vocab_size, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     if family == "bamba":
         cfg = dict(
-            hidden_size=48, intermediate_size=80, num_hidden_layers=4,
-            num_attention_heads=6, num_key_value_heads=2, attn_layer_indices=[1],
-            mamba_n_heads=6, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=12,
-            mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, tie_word_embeddings=False,
+            hidden_size=48,
+            intermediate_size=80,
+            num_hidden_layers=4,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            attn_layer_indices=[1],
+            mamba_n_heads=6,
+            mamba_d_head=16,
+            mamba_n_groups=1,
+            mamba_d_state=12,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=16,
+            tie_word_embeddings=False,
             max_position_embeddings=4096,
         )
         cls = tf.BambaConfig
     elif family == "mamba2":
         cfg = dict(
-            hidden_size=40, num_heads=5, head_dim=16, state_size=12, num_hidden_layers=3,
-            n_groups=1, expand=2, conv_kernel=4, chunk_size=16, tie_word_embeddings=False,
+            hidden_size=40,
+            num_heads=5,
+            head_dim=16,
+            state_size=12,
+            num_hidden_layers=3,
+            n_groups=1,
+            expand=2,
+            conv_kernel=4,
+            chunk_size=16,
+            tie_word_embeddings=False,
         )
         cls = tf.Mamba2Config
     elif family == "mamba":
-        cfg = dict(hidden_size=40, state_size=10, num_hidden_layers=3, expand=2, conv_kernel=4,
-                   time_step_rank=6, tie_word_embeddings=True)
+        cfg = dict(
+            hidden_size=40,
+            state_size=10,
+            num_hidden_layers=3,
+            expand=2,
+            conv_kernel=4,
+            time_step_rank=6,
+            tie_word_embeddings=True,
+        )
         cls = tf.MambaConfig
     elif family == "falcon_mamba":
-        cfg = dict(hidden_size=40, state_size=10, num_hidden_layers=3, expand=2, conv_kernel=4,
-                   time_step_rank=6, tie_word_embeddings=False)
+        cfg = dict(
+            hidden_size=40,
+            state_size=10,
+            num_hidden_layers=3,
+            expand=2,
+            conv_kernel=4,
+            time_step_rank=6,
+            tie_word_embeddings=False,
+        )
         cls = tf.FalconMambaConfig
     elif family == "llama":
-        cfg = dict(hidden_size=48, intermediate_size=72, num_hidden_layers=3,
-                   num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False,
-                   max_position_embeddings=4096)
+        cfg = dict(
+            hidden_size=48,
+            intermediate_size=72,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            max_position_embeddings=4096,
+        )
         cls = tf.LlamaConfig
     else:
         raise ValueError(f"unknown family {family!r}")

@@ -151,8 +151,10 @@ def finish(out_path: str, header: list[str], row: Callable[[dict[str, Any]], lis
     for timing in RESULTS["timings"]:
         log("| " + " | ".join(row(timing)) + " |")
     fails = [c["name"] for c in RESULTS["checks"] if not c["ok"]]
-    log(f"\nchecks: {len(RESULTS['checks']) - len(fails)} ok, failed: {fails}; "
-        f"errors: {len(RESULTS['errors'])}; wall {RESULTS['wall_s']:.1f} s")  # fmt: skip
+    log(
+        f"\nchecks: {len(RESULTS['checks']) - len(fails)} ok, failed: {fails}; "
+        f"errors: {len(RESULTS['errors'])}; wall {RESULTS['wall_s']:.1f} s"
+    )
     with open(out_path, "w") as f:
         json.dump(RESULTS, f, indent=1, default=str)
     log(f"wrote {out_path}")

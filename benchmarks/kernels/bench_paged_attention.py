@@ -111,11 +111,16 @@ def call(
     """fn on batch b; num_decodes defaults to the batch's leading one-query sequences."""
     cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
     return fn(
-        cast(b["q"]), cast(b["k_cache"]), cast(b["v_cache"]),
-        block_tables=b["block_tables"], query_start_loc=b["query_start_loc"],
-        seq_lens=b["seq_lens"], scale=DH**-0.5, sliding_window=sliding_window,
+        cast(b["q"]),
+        cast(b["k_cache"]),
+        cast(b["v_cache"]),
+        block_tables=b["block_tables"],
+        query_start_loc=b["query_start_loc"],
+        seq_lens=b["seq_lens"],
+        scale=DH**-0.5,
+        sliding_window=sliding_window,
         num_decodes=b["num_decodes"] if num_decodes is None else num_decodes,
-    )  # fmt: skip
+    )
 
 
 def costs(ctx_lens: list[int], q_lens: list[int], elem: int = 2) -> dict[str, float]:
@@ -139,11 +144,19 @@ def timed_ms(fn: Callable[[], Any]) -> float:
 
 def record_time(label: str, ms: float, b: dict[str, Any], **extra: Any) -> None:
     c = costs(b["ctx_lens"], b["q_lens"])
-    row = {"name": label, "ms": ms, "seqs": len(b["q_lens"]), "tokens": sum(b["q_lens"]),
-           **c, **extra}  # fmt: skip
+    row = {
+        "name": label,
+        "ms": ms,
+        "seqs": len(b["q_lens"]),
+        "tokens": sum(b["q_lens"]),
+        **c,
+        **extra,
+    }
     RESULTS["timings"].append(row)
-    log(f"time {label:58s} {ms:8.3f} ms  floor {c['floor_ms']:.3f}  "
-        f"({ms / c['floor_ms']:.1f}x floor)")  # fmt: skip
+    log(
+        f"time {label:58s} {ms:8.3f} ms  floor {c['floor_ms']:.3f}  "
+        f"({ms / c['floor_ms']:.1f}x floor)"
+    )
 
 
 def over_budget(what: str) -> bool:
@@ -166,21 +179,41 @@ def check_accuracy() -> None:
         ("decode ragged", ragged, [1] * len(ragged), None, torch.bfloat16),
         ("decode 1 seq long (split)", [long_ctx], [1], None, torch.bfloat16),
         ("decode ragged fp16", ragged, [1] * len(ragged), None, torch.float16),
-        ("decode ragged window 1000", ragged, [1] * len(ragged), 13 if TINY else 1000,
-         torch.bfloat16),
-        ("mixed decode + prefill", ragged[:8] + prefill_ctx, [1] * 8 + prefill_q, None,
-         torch.bfloat16),
-        ("mixed window 1000", ragged[:8] + prefill_ctx, [1] * 8 + prefill_q,
-         13 if TINY else 1000, torch.bfloat16),
-    ]  # fmt: skip
+        (
+            "decode ragged window 1000",
+            ragged,
+            [1] * len(ragged),
+            13 if TINY else 1000,
+            torch.bfloat16,
+        ),
+        (
+            "mixed decode + prefill",
+            ragged[:8] + prefill_ctx,
+            [1] * 8 + prefill_q,
+            None,
+            torch.bfloat16,
+        ),
+        (
+            "mixed window 1000",
+            ragged[:8] + prefill_ctx,
+            [1] * 8 + prefill_q,
+            13 if TINY else 1000,
+            torch.bfloat16,
+        ),
+    ]
     for name, ctx, q_lens, window, dtype in cases:
         b = make_batch(ctx, q_lens, seed=len(ctx))
         ref = call(attn_mod.paged_attention_ref, b, sliding_window=window, dtype=torch.float32)
         out = call(attn_mod.paged_attention_triton, b, sliding_window=window, dtype=dtype)
         errors = {"num_decodes set": rel_err(out, ref)}
         if leading_decodes(q_lens) > 0:
-            general = call(attn_mod.paged_attention_triton, b, num_decodes=0,
-                           sliding_window=window, dtype=dtype)  # fmt: skip
+            general = call(
+                attn_mod.paged_attention_triton,
+                b,
+                num_decodes=0,
+                sliding_window=window,
+                dtype=dtype,
+            )
             errors["all via prefill path"] = rel_err(general, ref)
         record_check(f"{name} ({len(ctx)} seqs)", errors)
         del b
@@ -199,8 +232,9 @@ def check_cuda_graph() -> None:
     padded["q"] = torch.cat([real["q"], torch.randn(pad, H, DH, device=DEV).to(real["q"].dtype)])
     padded["block_tables"] = torch.cat([real["block_tables"], real["block_tables"][:pad]])
     padded["query_start_loc"] = torch.arange(size + 1, dtype=torch.int32, device=DEV)
-    padded["seq_lens"] = torch.cat([real["seq_lens"],
-                                    torch.ones(pad, dtype=torch.int32, device=DEV)])  # fmt: skip
+    padded["seq_lens"] = torch.cat(
+        [real["seq_lens"], torch.ones(pad, dtype=torch.int32, device=DEV)]
+    )
     padded["num_decodes"] = size
     padded["ctx_lens"], padded["q_lens"] = ctx + [0] * pad, [1] * size
     eager = call(attn_mod.paged_attention_triton, padded)
@@ -216,13 +250,16 @@ def check_cuda_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     ref = call(attn_mod.paged_attention_ref, real, dtype=torch.float32)
-    record_check(f"graph replay == eager, batch {n} padded to {size}, 32k-token tables",
-                 {"replay vs eager": rel_err(out, eager),
-                  "real rows vs twin": rel_err(out[:n], ref)}, limit=1e-2)  # fmt: skip
+    record_check(
+        f"graph replay == eager, batch {n} padded to {size}, 32k-token tables",
+        {"replay vs eager": rel_err(out, eager), "real rows vs twin": rel_err(out[:n], ref)},
+        limit=1e-2,
+    )
     ok = bool(torch.isfinite(out[n:].float()).all())
     record_check("padding rows finite", {"nonfinite": 0.0 if ok else math.inf})
-    record_time(f"decode batch {n}->{size} ctx<4k, 32k tables, graph", timed_ms(graph.replay),
-                padded)  # fmt: skip
+    record_time(
+        f"decode batch {n}->{size} ctx<4k, 32k tables, graph", timed_ms(graph.replay), padded
+    )
 
 
 def graph_ms(fn: Callable[[], Any]) -> float | None:
@@ -261,26 +298,34 @@ def time_decode() -> None:
                 record_time(f"decode batch {batch} ctx {ctx} graph", ms, b, config=cfg)
             if batch == BATCHES[1] and ctx == CONTEXTS[1]:
                 general = lambda b=b: call(attn_mod.paged_attention_triton, b, 0)  # noqa: E731
-                record_time(f"decode batch {batch} ctx {ctx} via prefill path",
-                            timed_ms(general), b)  # fmt: skip
+                record_time(
+                    f"decode batch {batch} ctx {ctx} via prefill path", timed_ms(general), b
+                )
             del b
 
 
 def time_prefill() -> None:
     """(c) Prefill regression cases: fresh prompts and a chunk over a long cached context."""
     cases = (
-        [("4 x 2k prompts", [0] * 4, [2048] * 4), ("2k chunk over 30k context", [30720], [2048]),
-         ("8k chunk over 24k context", [24576], [8192]),
-         ("mixed 32 decodes 4k + 1k chunk", [4095] * 32 + [3072], [1] * 32 + [1024])]
-        if not TINY else [("2 prompts", [0, 10], [23, 17]), ("mixed", [40, 30, 9], [1, 1, 20])]
-    )  # fmt: skip
+        [
+            ("4 x 2k prompts", [0] * 4, [2048] * 4),
+            ("2k chunk over 30k context", [30720], [2048]),
+            ("8k chunk over 24k context", [24576], [8192]),
+            ("mixed 32 decodes 4k + 1k chunk", [4095] * 32 + [3072], [1] * 32 + [1024]),
+        ]
+        if not TINY
+        else [("2 prompts", [0, 10], [23, 17]), ("mixed", [40, 30, 9], [1, 1, 20])]
+    )
     for name, ctx, q_lens in cases:
         if over_budget(name):
             continue
         b = make_batch(ctx, q_lens)
-        record_time(f"prefill {name}",
-                    timed_ms(lambda b=b: call(attn_mod.paged_attention_triton, b)), b,
-                    config=attn_mod._prefill_config(H // KVH, DH))  # fmt: skip
+        record_time(
+            f"prefill {name}",
+            timed_ms(lambda b=b: call(attn_mod.paged_attention_triton, b)),
+            b,
+            config=attn_mod._prefill_config(H // KVH, DH),
+        )
         del b
 
 
@@ -308,9 +353,17 @@ def sweep_decode() -> None:
     """(d) Decode launch configs (block_n, warps, stages, splits), each checked against
     the default config's output."""
     points = [(64, 4096), (8, 4096), (1, 32768)] if not TINY else [(3, 70)]
-    variants = [{}, {"num_stages": 2}, {"num_stages": 1}, {"num_warps": 8},
-                {"block_n": 32}, {"block_n": 32, "num_stages": 2}, {"block_n": 128, "num_warps": 8},
-                {"splits": 0.5}, {"splits": 2}]  # fmt: skip
+    variants = [
+        {},
+        {"num_stages": 2},
+        {"num_stages": 1},
+        {"num_warps": 8},
+        {"block_n": 32},
+        {"block_n": 32, "num_stages": 2},
+        {"block_n": 128, "num_warps": 8},
+        {"splits": 0.5},
+        {"splits": 2},
+    ]
     default = attn_mod._decode_config
     try:
         for batch, ctx in points:
@@ -334,13 +387,25 @@ def sweep_decode() -> None:
 def sweep_prefill() -> None:
     """(e) Prefill launch configs (rows, key tile, warps, stages), each checked against the
     default config's output."""
-    cases = [("2k chunk over 30k context", [30720], [2048]),
-             ("8k chunk over 24k context", [24576], [8192])] if not TINY else [
-             ("mixed", [40, 30, 9], [1, 1, 20])]  # fmt: skip
-    variants = [{}, {"block_n": 64}, {"block_n": 64, "num_warps": 8}, {"block_m": 128},
-                {"block_m": 128, "num_warps": 8}, {"block_m": 128, "block_n": 64, "num_warps": 8},
-                {"num_stages": 3}, {"block_n": 64, "num_stages": 3},
-                {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}]  # fmt: skip
+    cases = (
+        [
+            ("2k chunk over 30k context", [30720], [2048]),
+            ("8k chunk over 24k context", [24576], [8192]),
+        ]
+        if not TINY
+        else [("mixed", [40, 30, 9], [1, 1, 20])]
+    )
+    variants = [
+        {},
+        {"block_n": 64},
+        {"block_n": 64, "num_warps": 8},
+        {"block_m": 128},
+        {"block_m": 128, "num_warps": 8},
+        {"block_m": 128, "block_n": 64, "num_warps": 8},
+        {"num_stages": 3},
+        {"block_n": 64, "num_stages": 3},
+        {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
+    ]
     default = attn_mod._prefill_config
     try:
         for name, ctx, q_lens in cases:
@@ -364,21 +429,35 @@ def main() -> None:
         raise SystemExit("no CUDA GPU: run with --tiny and TRITON_INTERPRET=1 for a CPU check")
     if DEV.type != "cuda" and not TINY:
         raise SystemExit("the interpreter is far too slow for real sizes; add --tiny")
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "ssmserve/kernels"],
-                           capture_output=True, text=True, check=False).stdout.strip()  # fmt: skip
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "ssmserve/kernels"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
     RESULTS["env"] = environment(
         kernels_dirty=bool(dirty), dims={"H": H, "KVH": KVH, "Dh": DH, "block_size": BLOCK_SIZE}
     )
     log(json.dumps(RESULTS["env"]))
-    sections = (check_accuracy, check_cuda_graph, time_decode, time_prefill, sweep_decode,
-                sweep_prefill)  # fmt: skip
+    sections = (
+        check_accuracy,
+        check_cuda_graph,
+        time_decode,
+        time_prefill,
+        sweep_decode,
+        sweep_prefill,
+    )
     run_sections([s for s in sections if not OPTS.sections or s.__name__ in OPTS.sections])
     finish(
         OPTS.out,
         ["case", "ms", "floor ms", "x floor"],
-        lambda r: [r["name"], f"{r['ms']:.4f}", f"{r['floor_ms']:.4f}",
-                   f"{r['ms'] / r['floor_ms']:.2f}"],
-    )  # fmt: skip
+        lambda r: [
+            r["name"],
+            f"{r['ms']:.4f}",
+            f"{r['floor_ms']:.4f}",
+            f"{r['ms'] / r['floor_ms']:.2f}",
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -126,11 +126,20 @@ def make_inputs(
 
 def call(fn: Callable[..., torch.Tensor], inp: dict[str, Any]) -> torch.Tensor:
     return fn(
-        inp["u"], inp["delta"], inp["A"], inp["B"], inp["C"], inp["D"],
-        cu_seqlens=inp["cu_seqlens"], ssm_state=inp["ssm_state"],
-        state_slots=inp["state_slots"], has_initial_state=inp["has_initial_state"],
-        z=inp["z"], delta_bias=inp["delta_bias"], delta_softplus=True,
-    )  # fmt: skip
+        inp["u"],
+        inp["delta"],
+        inp["A"],
+        inp["B"],
+        inp["C"],
+        inp["D"],
+        cu_seqlens=inp["cu_seqlens"],
+        ssm_state=inp["ssm_state"],
+        state_slots=inp["state_slots"],
+        has_initial_state=inp["has_initial_state"],
+        z=inp["z"],
+        delta_bias=inp["delta_bias"],
+        delta_softplus=True,
+    )
 
 
 def sync() -> None:
@@ -191,8 +200,9 @@ def check_accuracy() -> None:
         split = CHECK_T // 2 + 5
         parts = []
         for lo, hi, init in ((0, split, False), (split, CHECK_T, True)):
-            part = {k: (v[lo:hi] if k in ("u", "delta", "B", "C", "z") else v)
-                    for k, v in inp.items()}  # fmt: skip
+            part = {
+                k: (v[lo:hi] if k in ("u", "delta", "B", "C", "z") else v) for k, v in inp.items()
+            }
             part["cu_seqlens"] = torch.tensor([0, hi - lo], dtype=torch.int32, device=DEV)
             part["has_initial_state"] = torch.tensor([init], device=DEV)
             parts.append(call(scan_mod.selective_scan_varlen_triton, part))
@@ -220,8 +230,15 @@ def check_cuda_graph() -> None:
             lambda inp=inp: call(scan_mod.selective_scan_varlen_triton, inp),
             inp["ssm_state"],
         )
-        record_time(f"{name} T={CHECK_T} {S} seq(s) graph replay", bench_ms(graph.replay),
-                    CHECK_T, S, Dm, N, 2)  # fmt: skip
+        record_time(
+            f"{name} T={CHECK_T} {S} seq(s) graph replay",
+            bench_ms(graph.replay),
+            CHECK_T,
+            S,
+            Dm,
+            N,
+            2,
+        )
         del graph
 
 
@@ -237,8 +254,11 @@ def _exp2_rate_kernel(out_ptr, ITERS: tl.constexpr, BLOCK: tl.constexpr):
 def measure_exp2_rate() -> None:
     """(b) exp2 per second over the whole card (one multiply rides along each exp2)."""
     block, iters = (1024, 4096) if DEV.type == "cuda" else (16, 2)
-    programs = 8 * torch.cuda.get_device_properties(DEV).multi_processor_count if (
-        DEV.type == "cuda") else 2  # fmt: skip
+    programs = (
+        8 * torch.cuda.get_device_properties(DEV).multi_processor_count
+        if (DEV.type == "cuda")
+        else 2
+    )
     out = torch.empty(programs * block, device=DEV)
 
     def run():
@@ -258,8 +278,9 @@ def time_sizes() -> None:
                 inp = make_inputs(split_evenly(T, S), Dm, N, True)
                 ms = bench_ms(lambda inp=inp: call(scan_mod.selective_scan_varlen_triton, inp))
                 config = scan_mod._launch_config(S, Dm, N, T, DEV)
-                record_time(f"{name} T={T} {S} seq(s)", ms, T, S, Dm, N, 2, model=name,
-                            config=config)  # fmt: skip
+                record_time(
+                    f"{name} T={T} {S} seq(s)", ms, T, S, Dm, N, 2, model=name, config=config
+                )
                 del inp
 
 
@@ -309,8 +330,16 @@ def sweep_configs() -> None:
                     log(f"sweep {cfg}: failed: {str(exc)[:300]}")
                     RESULTS["errors"].append({"section": f"sweep {cfg}", "traceback": str(exc)})
                     continue
-                record_time(f"sweep {name} T={SWEEP_T} {S} seq(s) " + json.dumps(override), ms,
-                            SWEEP_T, S, Dm, N, 2, config=cfg)  # fmt: skip
+                record_time(
+                    f"sweep {name} T={SWEEP_T} {S} seq(s) " + json.dumps(override),
+                    ms,
+                    SWEEP_T,
+                    S,
+                    Dm,
+                    N,
+                    2,
+                    config=cfg,
+                )
     finally:
         scan_mod._launch_config = default
 
@@ -318,21 +347,36 @@ def sweep_configs() -> None:
 def main() -> None:
     if DEV.type != "cuda" and not OPTS.tiny:
         raise SystemExit("bench_selective_scan.py needs a CUDA GPU (or --tiny)")
-    RESULTS["env"] = environment(**{
-        "tiny": OPTS.tiny,
-        "default_config_1seq_2.8b": scan_mod._launch_config(1, 5120, 16, 8192, DEV),
-        "default_config_8seq_2.8b": scan_mod._launch_config(8, 5120, 16, 8192, DEV),
-    })  # fmt: skip
+    RESULTS["env"] = environment(
+        **{
+            "tiny": OPTS.tiny,
+            "default_config_1seq_2.8b": scan_mod._launch_config(1, 5120, 16, 8192, DEV),
+            "default_config_8seq_2.8b": scan_mod._launch_config(8, 5120, 16, 8192, DEV),
+        }
+    )
     log(json.dumps(RESULTS["env"]))
-    run_sections((check_accuracy, measure_exp2_rate, check_cuda_graph, time_sizes,
-                  profile_kernels, sweep_configs))  # fmt: skip
+    run_sections(
+        (
+            check_accuracy,
+            measure_exp2_rate,
+            check_cuda_graph,
+            time_sizes,
+            profile_kernels,
+            sweep_configs,
+        )
+    )
     finish(
         OPTS.out,
         ["case", "ms", "mem floor ms", "x mem", "exp floor ms", "x exp"],
-        lambda r: [r["name"], f"{r['ms']:.3f}", f"{r['floor_mem_ms']:.3f}",
-                   f"{r['ms'] / r['floor_mem_ms']:.1f}", f"{r['floor_exp_ms']:.3f}",
-                   f"{r['ms'] / r['floor_exp_ms']:.1f}"],
-    )  # fmt: skip
+        lambda r: [
+            r["name"],
+            f"{r['ms']:.3f}",
+            f"{r['floor_mem_ms']:.3f}",
+            f"{r['ms'] / r['floor_mem_ms']:.1f}",
+            f"{r['floor_exp_ms']:.3f}",
+            f"{r['ms'] / r['floor_exp_ms']:.1f}",
+        ],
+    )
 
 
 if __name__ == "__main__":

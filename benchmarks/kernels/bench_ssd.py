@@ -72,9 +72,10 @@ ARGS.add_argument(
 ARGS.add_argument("--budget", type=float, default=85.0, help="seconds before the sweep stops")
 ARGS.add_argument("--sweep", default=None, help="JSON list of launch-config overrides to sweep")
 ARGS.add_argument(
-    "--compare", default=None,
+    "--compare",
+    default=None,
     help="path of another ssd_scan.py (e.g. the previous commit's) to time beside this one",
-)  # fmt: skip
+)
 DEV = torch.device("cuda")
 
 
@@ -117,11 +118,20 @@ def make_inputs(
 
 def call(fn: Callable[..., torch.Tensor], inp: dict[str, Any]) -> torch.Tensor:
     return fn(
-        inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"],
-        cu_seqlens=inp["cu_seqlens"], ssm_state=inp["ssm_state"],
-        state_slots=inp["state_slots"], has_initial_state=inp["has_initial_state"],
-        dt_bias=inp["dt_bias"], dt_softplus=True, chunk_size=CHUNK_SIZE,
-    )  # fmt: skip
+        inp["x"],
+        inp["dt"],
+        inp["A"],
+        inp["B"],
+        inp["C"],
+        inp["D"],
+        cu_seqlens=inp["cu_seqlens"],
+        ssm_state=inp["ssm_state"],
+        state_slots=inp["state_slots"],
+        has_initial_state=inp["has_initial_state"],
+        dt_bias=inp["dt_bias"],
+        dt_softplus=True,
+        chunk_size=CHUNK_SIZE,
+    )
 
 
 def costs(T: int, S: int, H: int, P: int, N: int, G: int, chunk: int) -> dict[str, float]:
@@ -199,8 +209,9 @@ def check_cuda_graph() -> None:
         )
         ms = bench_ms(graph.replay)
         T = sum(lengths)
-        record_time(f"{name} T={T} {len(lengths)} seq(s) graph replay", ms, T, len(lengths),
-                    H, P, N, G)  # fmt: skip
+        record_time(
+            f"{name} T={T} {len(lengths)} seq(s) graph replay", ms, T, len(lengths), H, P, N, G
+        )
         del graph
 
 
@@ -220,15 +231,20 @@ def record_time(
 def time_sizes() -> None:
     """(c) The target sizes."""
     for name, H, P, N, G in MODELS:
-        layouts = [("1 seq", [4096]), ("8 x 4k", [4096] * 8), ("1 seq", [32768]),
-                   ("1 seq", [131072])]  # fmt: skip
+        layouts = [
+            ("1 seq", [4096]),
+            ("8 x 4k", [4096] * 8),
+            ("1 seq", [32768]),
+            ("1 seq", [131072]),
+        ]
         for label, lengths in layouts:
             inp = make_inputs(lengths, H, P, N, G, True)
             ms = bench_ms(lambda inp=inp: call(ssd_mod.ssd_scan_varlen_triton, inp))
             T = sum(lengths)
             config = ssd_mod._launch_config(inp["x"], len(lengths), H, P, N, CHUNK_SIZE)
-            record_time(f"{name} T={T} {label}", ms, T, len(lengths), H, P, N, G,
-                        model=name, config=config)  # fmt: skip
+            record_time(
+                f"{name} T={T} {label}", ms, T, len(lengths), H, P, N, G, model=name, config=config
+            )
             del inp
 
 
@@ -262,8 +278,14 @@ def compare_kernels() -> None:
     import os
 
     for name, H, P, N, G in MODELS:
-        for lengths in ([1024], [2048], [4096], [8192], [32768], [512 - 37, 1, 700, 300, 64,
-                        1100, 900, 530 + 26]):  # fmt: skip
+        for lengths in (
+            [1024],
+            [2048],
+            [4096],
+            [8192],
+            [32768],
+            [512 - 37, 1, 700, 300, 64, 1100, 900, 530 + 26],
+        ):
             inp = make_inputs(lengths, H, P, N, G, True, seed=5)
             T = sum(lengths)
             times = {}
@@ -275,8 +297,17 @@ def compare_kernels() -> None:
                     inp["ssm_state"],
                 )
                 times[kernel] = bench_ms(graph.replay)
-                record_time(f"{name} T={T} {len(lengths)} seq(s) {kernel}, graph", times[kernel],
-                            T, len(lengths), H, P, N, G, kernel=kernel)  # fmt: skip
+                record_time(
+                    f"{name} T={T} {len(lengths)} seq(s) {kernel}, graph",
+                    times[kernel],
+                    T,
+                    len(lengths),
+                    H,
+                    P,
+                    N,
+                    G,
+                    kernel=kernel,
+                )
                 del graph
             os.environ.pop("SSMSERVE_SSD_GLUON")
             log(f"  gluon / triton-language: {times['gluon'] / times['triton-language']:.2f}")
@@ -334,8 +365,17 @@ def sweep_configs() -> None:
                 log(f"sweep {cfg}: failed: {str(exc)[:300]}")
                 RESULTS["errors"].append({"section": f"sweep {cfg}", "traceback": str(exc)[:3000]})
                 continue
-            record_time(f"sweep {name} T=32768 " + json.dumps(override), ms, 32768, 1, H, P, N, G,
-                        config=cfg)  # fmt: skip
+            record_time(
+                f"sweep {name} T=32768 " + json.dumps(override),
+                ms,
+                32768,
+                1,
+                H,
+                P,
+                N,
+                G,
+                config=cfg,
+            )
     finally:
         ssd_mod._launch_config = default
 
@@ -352,9 +392,14 @@ def main() -> None:
     TIME_BUDGET_S = opts.budget
     if opts.sweep:
         SWEEP = json.loads(opts.sweep)
-    named = {"accuracy": check_accuracy, "graph": check_cuda_graph, "sizes": time_sizes,
-             "compare": compare_kernels, "profile": profile_kernels,
-             "sweep": sweep_configs}  # fmt: skip
+    named = {
+        "accuracy": check_accuracy,
+        "graph": check_cuda_graph,
+        "sizes": time_sizes,
+        "compare": compare_kernels,
+        "profile": profile_kernels,
+        "sweep": sweep_configs,
+    }
     sections = [named[name] for name in opts.sections.split(",")]
     if opts.compare:
         compared = functools.partial(time_compared, opts.compare)
@@ -364,9 +409,14 @@ def main() -> None:
     finish(
         opts.out,
         ["case", "ms", "floor ms", "x floor", "design-mem ms"],
-        lambda r: [r["name"], f"{r['ms']:.3f}", f"{r['floor_ms']:.3f}",
-                   f"{r['ms'] / r['floor_ms']:.1f}", f"{r['design_mem_ms']:.3f}"],
-    )  # fmt: skip
+        lambda r: [
+            r["name"],
+            f"{r['ms']:.3f}",
+            f"{r['floor_ms']:.3f}",
+            f"{r['ms'] / r['floor_ms']:.1f}",
+            f"{r['design_mem_ms']:.3f}",
+        ],
+    )
 
 
 if __name__ == "__main__":

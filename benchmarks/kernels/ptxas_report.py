@@ -58,16 +58,20 @@ def compile_report(
         f.write(compiled.asm["ptx"])
     out = subprocess.run(
         [PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     os.unlink(f.name)
     if SASS_OUT:
         with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as c:
             c.write(compiled.asm["cubin"])
         sass = subprocess.run(
             [os.path.join(os.path.dirname(PTXAS), "nvdisasm"), "-c", "-g", c.name],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         os.unlink(c.name)
         with open(SASS_OUT, "w") as out_file:
             out_file.write(sass.stdout or sass.stderr)
@@ -101,15 +105,25 @@ def scan_kernel_report(dtype: str, cfg: dict) -> str:
         "fp16": ("fp16", "tf32", "fp32", "tf32"),
         "fp32": ("fp32", "ieee", "fp32", "ieee"),
     }[dtype]
-    tl_dtype = {"bf16": triton.language.bfloat16, "fp16": triton.language.float16,
-                "fp32": triton.language.float32}  # fmt: skip
+    tl_dtype = {
+        "bf16": triton.language.bfloat16,
+        "fp16": triton.language.float16,
+        "fp32": triton.language.float32,
+    }
     constexprs = {
-        "HAS_D": True, "HAS_Z": cfg.get("has_z", False), "CHUNK": cfg["chunk"],
-        "BLOCK": cfg["block"], "BLOCK_T": cfg["block_t"], "BLOCK_P": cfg["block_p"],
-        "P_BLOCKS": 64 // cfg["block_p"], "BLOCK_N": 128,
-        "DOT_DTYPE": tl_dtype[dots[0]], "DOT_PRECISION": dots[1],
-        "STATE_DOT_DTYPE": tl_dtype[dots[2]], "STATE_PRECISION": dots[3],
-    }  # fmt: skip
+        "HAS_D": True,
+        "HAS_Z": cfg.get("has_z", False),
+        "CHUNK": cfg["chunk"],
+        "BLOCK": cfg["block"],
+        "BLOCK_T": cfg["block_t"],
+        "BLOCK_P": cfg["block_p"],
+        "P_BLOCKS": 64 // cfg["block_p"],
+        "BLOCK_N": 128,
+        "DOT_DTYPE": tl_dtype[dots[0]],
+        "DOT_PRECISION": dots[1],
+        "STATE_DOT_DTYPE": tl_dtype[dots[2]],
+        "STATE_PRECISION": dots[3],
+    }
     options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     if cfg.get("maxnreg"):
         options["maxnreg"] = cfg["maxnreg"]
@@ -117,9 +131,12 @@ def scan_kernel_report(dtype: str, cfg: dict) -> str:
 
 
 def gluon_report(
-    fn, constexprs: dict, descs: dict[str, tuple[int, int]], options: dict,
+    fn,
+    constexprs: dict,
+    descs: dict[str, tuple[int, int]],
+    options: dict,
     extra_sig: dict[str, str] | None = None,
-) -> str:  # fmt: skip
+) -> str:
     """compile_report for a Gluon kernel of the SSD scan family: `descs` maps each tensor
     descriptor argument to its bf16 block shape; `extra_sig` gives other arguments' types
     outright; the rest are typed by name."""
@@ -156,15 +173,20 @@ def hopper_kernel_report(N: int) -> str:
     descs = {"x_desc": (blk, 64), "b_desc": (blk, N), "c_desc": (blk, N), "y_desc": (blk, 64)}
     vec = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     extra = {name: f"tensordesc<fp32[{blk}],{vec!r}>" for name in ("cum_desc", "dt_desc")}
-    return gluon_report(hopper._ssd_scan_hopper_kernel, dict(P=64, N=N), descs,
-                        {"num_warps": 4}, extra_sig=extra)  # fmt: skip
+    return gluon_report(
+        hopper._ssd_scan_hopper_kernel, dict(P=64, N=N), descs, {"num_warps": 4}, extra_sig=extra
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    parser.add_argument("--config", action="append", default=[],
-                        help="JSON overrides of _launch_config (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        help="JSON overrides of _launch_config (repeatable)",
+    )
     parser.add_argument("--sass", default=None, help="write the SASS of the last config here")
     parser.add_argument(
         "--hopper", action="store_true", help="the Gluon kernel (ssd_scan_hopper.py), N 128, 64"

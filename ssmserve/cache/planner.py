@@ -55,7 +55,9 @@ def plan_cache(
             logger.warning(
                 "only %d SSM state slots fit in the cache budget; lowering max_num_seqs from "
                 "%d to %d (raise cache_memory / gpu_memory_utilization to run more at once)",
-                fit, max_num_seqs, fit,
+                fit,
+                max_num_seqs,
+                fit,
             )
             slots = int(fit)
     if has_kv:

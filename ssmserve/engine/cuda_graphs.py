@@ -22,8 +22,9 @@ CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, device: torch.device, max_batch: int,
-                 max_blocks_per_seq: int) -> None:
+    def __init__(
+        self, model: CausalLM, device: torch.device, max_batch: int, max_blocks_per_seq: int
+    ) -> None:
         self.model = model
         self.device = device
         sizes = [s for s in CAPTURE_SIZES if s < max_batch] + [max_batch]

@@ -18,7 +18,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids = list(prompt_token_ids[-self.CONTEXT:])
+        self.ids = list(prompt_token_ids[-self.CONTEXT :])
         self.prefix_offset = 0  # start of the context window in self.ids
         self.read_offset = len(self.ids)  # ids before this are already emitted
         self.text = ""
@@ -29,11 +29,11 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the new text it completes (maybe empty)."""
         self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         if full.endswith("\ufffd"):
             return ""  # an incomplete character: wait for the token that completes it
-        delta = full[len(prefix):]
+        delta = full[len(prefix) :]
         # Keep CONTEXT tokens of left context for the next window; drop older ids.
         keep_from = max(len(self.ids) - self.CONTEXT, 0)
         self.ids = self.ids[keep_from:]

@@ -90,11 +90,14 @@ class LLMEngine:
         self.model_config = ModelConfig.from_hf(path, config.max_model_len)
         self.model_name = config.model or DEFAULT_MODEL_NAME
         self.device = _resolve_device(config.device)
-        dtype_name = resolve_torch_dtype(config.dtype, self.device.type,
-                                         self.model_config.hf_config)
+        dtype_name = resolve_torch_dtype(
+            config.dtype, self.device.type, self.model_config.hf_config
+        )
         self.dtype = getattr(torch, dtype_name)
-        if self.dtype == torch.bfloat16 and self.device.type == "cuda" and not (
-            torch.cuda.is_bf16_supported()
+        if (
+            self.dtype == torch.bfloat16
+            and self.device.type == "cuda"
+            and not (torch.cuda.is_bf16_supported())
         ):
             raise RuntimeError("this GPU has no bfloat16 support; pass --dtype float16")
         from transformers import AutoTokenizer
@@ -107,8 +110,9 @@ class LLMEngine:
             if self.kernel_ops.backend != "triton":
                 logger.info("CUDA graphs need the Triton kernels; running eager")
             else:
-                self.runner.enable_cuda_graphs(self.scheduler.max_num_seqs,
-                                               self.scheduler.max_tokens_per_request)
+                self.runner.enable_cuda_graphs(
+                    self.scheduler.max_num_seqs, self.scheduler.max_tokens_per_request
+                )
         self.sampler = Sampler()
         self._groups: dict[str, _Group] = {}
         self._owner: dict[str, tuple[_Group, _Sample]] = {}
@@ -136,8 +140,11 @@ class LLMEngine:
 
     def _setup_caches(self) -> None:
         cfg = self.config
-        state_dtype = (self.dtype if cfg.mamba_ssm_cache_dtype == "auto"
-                       else getattr(torch, cfg.mamba_ssm_cache_dtype))
+        state_dtype = (
+            self.dtype
+            if cfg.mamba_ssm_cache_dtype == "auto"
+            else getattr(torch, cfg.mamba_ssm_cache_dtype)
+        )
         per_block = self.model.cache_bytes_per_block(cfg.block_size, self.dtype)
         per_slot = self.model.cache_bytes_per_slot(self.dtype, state_dtype)
         self.max_num_batched_tokens = cfg.max_num_batched_tokens or (
@@ -155,8 +162,11 @@ class LLMEngine:
         )
         self.cache_plan = plan
         self.model.allocate_caches(
-            num_kv_blocks=plan.num_kv_blocks, block_size=cfg.block_size,
-            num_state_slots=plan.num_state_slots, dtype=self.dtype, state_dtype=state_dtype,
+            num_kv_blocks=plan.num_kv_blocks,
+            block_size=cfg.block_size,
+            num_state_slots=plan.num_state_slots,
+            dtype=self.dtype,
+            state_dtype=state_dtype,
             device=self.device,
         )
         self.block_pool = BlockPool(plan.num_kv_blocks, cfg.block_size) if per_block else None
@@ -170,7 +180,10 @@ class LLMEngine:
         )
         logger.info(
             "cache: %d KV blocks of %d tokens, %d state slots (%s state), %d max seqs",
-            plan.num_kv_blocks, cfg.block_size, plan.num_state_slots, state_dtype,
+            plan.num_kv_blocks,
+            cfg.block_size,
+            plan.num_state_slots,
+            state_dtype,
             plan.max_num_seqs,
         )
 
@@ -183,14 +196,20 @@ class LLMEngine:
             return DEFAULT_CPU_CACHE_BYTES
         from ssmserve.engine.memory import profile_activation_peak
 
-        peak = profile_activation_peak(self.model, self.device, self.max_num_batched_tokens,
-                                       self.config.block_size, self.dtype)
+        peak = profile_activation_peak(
+            self.model, self.device, self.max_num_batched_tokens, self.config.block_size, self.dtype
+        )
         _, total = torch.cuda.mem_get_info(self.device)
         in_use = torch.cuda.memory_allocated(self.device)
         budget = int(total * self.config.gpu_memory_utilization) - in_use - peak
-        logger.info("GPU memory: %.1f GiB total, %.2f GiB weights, %.2f GiB activation peak, "
-                    "%.2f GiB for caches", total / 2**30, in_use / 2**30, peak / 2**30,
-                    budget / 2**30)
+        logger.info(
+            "GPU memory: %.1f GiB total, %.2f GiB weights, %.2f GiB activation peak, "
+            "%.2f GiB for caches",
+            total / 2**30,
+            in_use / 2**30,
+            peak / 2**30,
+            budget / 2**30,
+        )
         if budget <= 0:
             raise RuntimeError(
                 "no GPU memory left for the caches after the weights and activations; raise "
@@ -233,9 +252,11 @@ class LLMEngine:
             )
         limit = self.scheduler.max_tokens_per_request
         if len(ids) >= limit:
-            what = (f"max_model_len is {self.model_config.max_model_len}"
-                    if limit == self.model_config.max_model_len
-                    else f"the KV cache holds at most {limit} tokens per request")
+            what = (
+                f"max_model_len is {self.model_config.max_model_len}"
+                if limit == self.model_config.max_model_len
+                else f"the KV cache holds at most {limit} tokens per request"
+            )
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens but {what}, and at least one token must be "
                 "generated; shorten the prompt or raise --max-model-len"
@@ -264,8 +285,7 @@ class LLMEngine:
                 index=i,
                 request=request,
                 generator=generator or self._generator,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, ids,
-                                                   params.skip_special_tokens),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
                 logprobs=[] if params.logprobs is not None else None,
             )
             group.samples.append(sample)
@@ -347,9 +367,14 @@ class LLMEngine:
             sample_rows = []
             for chunk, _ in sample_chunks:
                 group, sample = self._owner[chunk.request.request_id]
-                sample_rows.append(SamplingRow(group.params, sample.generator,
-                                               group.prompt_token_ids,
-                                               chunk.request.output_token_ids))
+                sample_rows.append(
+                    SamplingRow(
+                        group.params,
+                        sample.generator,
+                        group.prompt_token_ids,
+                        chunk.request.output_token_ids,
+                    )
+                )
             index = torch.tensor([r for _, r in sample_chunks], device=logits.device)
             sampler_out = self.sampler(logits[index], sample_rows)
             for i, (chunk, _) in enumerate(sample_chunks):
@@ -375,8 +400,9 @@ class LLMEngine:
                 self._release_group(group)
         return outputs
 
-    def _on_token(self, group: _Group, sample: _Sample, out: SamplerOutput, i: int,
-                  now: float) -> None:
+    def _on_token(
+        self, group: _Group, sample: _Sample, out: SamplerOutput, i: int, now: float
+    ) -> None:
         request = sample.request
         token = request.output_token_ids[-1]
         self.generation_tokens_total += 1
@@ -387,8 +413,11 @@ class LLMEngine:
         sample.cumulative_logprob += lp
         if sample.logprobs is not None:
             k = group.params.logprobs or 0
-            top = (out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()) \
-                if k and out.top_ids is not None else ([], [])
+            top = (
+                (out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist())
+                if k and out.top_ids is not None
+                else ([], [])
+            )
             sample.logprobs.append(self._logprob_entry(token, lp, int(out.ranks[i]), *top))
         delta = sample.detokenizer.add(token)
         stops = group.params.stop
@@ -396,32 +425,47 @@ class LLMEngine:
             hit = find_stop(sample.detokenizer.text, len(delta), stops)
             if hit is not None:
                 idx, stop = hit
-                sample.text_end = idx + len(stop) if group.params.include_stop_str_in_output \
-                    else idx
+                sample.text_end = (
+                    idx + len(stop) if group.params.include_stop_str_in_output else idx
+                )
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop)
         if request.is_finished:
             sample.finish_reason = request.status.value
             if group.finished:
                 group.metrics.finished_time = now
 
-    def _record_prompt_logprobs(self, logits: torch.Tensor,
-                                spans: list[tuple[_Group, int, int, int]]) -> None:
+    def _record_prompt_logprobs(
+        self, logits: torch.Tensor, spans: list[tuple[_Group, int, int, int]]
+    ) -> None:
         for group, first, count, row in spans:
-            lps = logits[row:row + count].log_softmax(-1)
-            targets = torch.tensor(group.prompt_token_ids[first + 1:first + 1 + count],
-                                   device=lps.device)
+            lps = logits[row : row + count].log_softmax(-1)
+            targets = torch.tensor(
+                group.prompt_token_ids[first + 1 : first + 1 + count], device=lps.device
+            )
             chosen = lps.gather(1, targets[:, None]).squeeze(1)
             ranks = (lps > chosen[:, None]).sum(-1) + 1
             k = group.params.prompt_logprobs or 0
             top = lps.topk(k, dim=-1) if k else None
             for j in range(count):
-                alternatives = (top.indices[j].tolist(), top.values[j].tolist()) \
-                    if top is not None else ([], [])
-                group.prompt_logprobs.append(self._logprob_entry(
-                    int(targets[j]), float(chosen[j]), int(ranks[j]), *alternatives))
+                alternatives = (
+                    (top.indices[j].tolist(), top.values[j].tolist())
+                    if top is not None
+                    else ([], [])
+                )
+                group.prompt_logprobs.append(
+                    self._logprob_entry(
+                        int(targets[j]), float(chosen[j]), int(ranks[j]), *alternatives
+                    )
+                )
 
-    def _logprob_entry(self, token_id: int, logprob: float, rank: int, top_ids: list[int],
-                       top_logprobs: list[float]) -> dict[int, Logprob]:
+    def _logprob_entry(
+        self,
+        token_id: int,
+        logprob: float,
+        rank: int,
+        top_ids: list[int],
+        top_logprobs: list[float],
+    ) -> dict[int, Logprob]:
         """One position's logprobs: the actual token, then the top alternatives by rank."""
         entry = {token_id: Logprob(logprob, rank, self._decode_one(token_id))}
         for r, (tid, lp) in enumerate(zip(top_ids, top_logprobs), 1):
@@ -434,11 +478,11 @@ class LLMEngine:
     def _visible_text(self, group: _Group, sample: _Sample) -> str:
         text = sample.detokenizer.text
         if sample.text_end is not None:
-            return text[:sample.text_end]
+            return text[: sample.text_end]
         if sample.finish_reason is None and group.params.stop:
             # Hold back what could still turn out to be the start of a stop string.
             hold = max(len(s) for s in group.params.stop) - 1
-            return text[:len(text) - hold] if hold else text
+            return text[: len(text) - hold] if hold else text
         return text
 
     def _make_output(self, group: _Group) -> RequestOutput:

@@ -9,16 +9,23 @@ from ssmserve.models.base import CausalLM
 
 
 @torch.inference_mode()
-def profile_activation_peak(model: CausalLM, device: torch.device, num_tokens: int,
-                            block_size: int, dtype: torch.dtype) -> int:
+def profile_activation_peak(
+    model: CausalLM, device: torch.device, num_tokens: int, block_size: int, dtype: torch.dtype
+) -> int:
     """Bytes a forward of one `num_tokens`-token prefill needs beyond weights and caches.
 
     Runs with caches just large enough for that one sequence (1 state slot), then frees
     them, so SSM intermediates, attention scratch and logits are all counted.
     """
     num_blocks = -(-num_tokens // block_size)
-    model.allocate_caches(num_kv_blocks=num_blocks, block_size=block_size, num_state_slots=1,
-                          dtype=dtype, state_dtype=torch.float32, device=device)
+    model.allocate_caches(
+        num_kv_blocks=num_blocks,
+        block_size=block_size,
+        num_state_slots=1,
+        dtype=dtype,
+        state_dtype=torch.float32,
+        device=device,
+    )
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)

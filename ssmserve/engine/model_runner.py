@@ -38,7 +38,7 @@ class ModelRunner:
             req = chunk.request
             num_decodes += chunk.is_decode
             pos = range(chunk.start, chunk.end)
-            input_ids.extend(req.all_token_ids[chunk.start:chunk.end])
+            input_ids.extend(req.all_token_ids[chunk.start : chunk.end])
             positions.extend(pos)
             if req.block_ids:
                 slot_mapping.extend(req.block_ids[p // bs] * bs + p % bs for p in pos)
@@ -54,13 +54,22 @@ class ModelRunner:
         # One host-to-device copy for every index array of the step, sliced on the device:
         # a dozen small copies would cost more than the decode step's kernels.
         prefill_starts = [chunk.start for chunk in chunks[num_decodes:]]
-        parts = [input_ids, positions, slot_mapping, qsl, seq_lens, state_slots,
-                 [int(h) for h in has_init], logits_rows, flat_tables, prefill_starts]
+        parts = [
+            input_ids,
+            positions,
+            slot_mapping,
+            qsl,
+            seq_lens,
+            state_slots,
+            [int(h) for h in has_init],
+            logits_rows,
+            flat_tables,
+            prefill_starts,
+        ]
         packed = torch.tensor([v for part in parts for v in part], dtype=torch.long)
         packed = packed.to(self.device, non_blocking=True)
         views = packed.split([len(part) for part in parts])
-        (ids_t, pos_t, slots_t, qsl_t, lens_t, state_t, init_t, rows_t, tables_t,
-         starts_t) = views
+        (ids_t, pos_t, slots_t, qsl_t, lens_t, state_t, init_t, rows_t, tables_t, starts_t) = views
         qsl_t = qsl_t.to(torch.int32)
         return ForwardBatch(
             input_ids=ids_t,

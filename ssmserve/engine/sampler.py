@@ -44,11 +44,13 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         counts.scatter_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
         if p.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            ids = torch.tensor(row.prompt_token_ids + row.output_token_ids, dtype=torch.long,
-                               device=logits.device)
+            ids = torch.tensor(
+                row.prompt_token_ids + row.output_token_ids, dtype=torch.long, device=logits.device
+            )
             seen[ids[ids < vocab]] = True
-            penalised = torch.where(logits[i] > 0, logits[i] / p.repetition_penalty,
-                                    logits[i] * p.repetition_penalty)
+            penalised = torch.where(
+                logits[i] > 0, logits[i] / p.repetition_penalty, logits[i] * p.repetition_penalty
+            )
             logits[i] = torch.where(seen, penalised, logits[i])
         logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 

@@ -125,14 +125,33 @@ def causal_conv1d_update_ref(
 
 @lazy_jit
 def _conv1d_varlen_kernel(
-    x_ptr, weight_ptr, bias_ptr, conv_state_ptr, cu_seqlens_ptr, state_slots_ptr,
-    has_init_ptr, y_ptr,
-    T, Cd, num_seqs,
-    stride_x_t, stride_x_c, stride_w_c, stride_w_k,
-    stride_s_slot, stride_s_c, stride_s_k, stride_y_t, stride_y_c,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    weight_ptr,
+    bias_ptr,
+    conv_state_ptr,
+    cu_seqlens_ptr,
+    state_slots_ptr,
+    has_init_ptr,
+    y_ptr,
+    T,
+    Cd,
+    num_seqs,
+    stride_x_t,
+    stride_x_c,
+    stride_w_c,
+    stride_w_k,
+    stride_s_slot,
+    stride_s_c,
+    stride_s_k,
+    stride_y_t,
+    stride_y_c,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     # Programs tile the packed tokens directly (no per-sequence grid, so no host sync);
     # each token finds its sequence by binary search over cu_seqlens.
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -156,30 +175,48 @@ def _conv1d_varlen_kernel(
         in_seq = src >= seq_start
         xv = tl.load(
             x_ptr + src[:, None] * stride_x_t + offs_c[None, :] * stride_x_c,
-            mask=(mask_t & in_seq)[:, None] & mask_c[None, :], other=0.0,
-        ).to(tl.float32)  # fmt: skip
+            mask=(mask_t & in_seq)[:, None] & mask_c[None, :],
+            other=0.0,
+        ).to(tl.float32)
         # Left context from the slot's conv state (index K-1 + src - start, oldest first).
         sv = tl.load(
-            conv_state_ptr + slot[:, None] * stride_s_slot + offs_c[None, :] * stride_s_c
+            conv_state_ptr
+            + slot[:, None] * stride_s_slot
+            + offs_c[None, :] * stride_s_c
             + (K - 1 + src - seq_start)[:, None] * stride_s_k,
-            mask=(mask_t & ~in_seq & has_init)[:, None] & mask_c[None, :], other=0.0,
-        ).to(tl.float32)  # fmt: skip
+            mask=(mask_t & ~in_seq & has_init)[:, None] & mask_c[None, :],
+            other=0.0,
+        ).to(tl.float32)
         w = tl.load(weight_ptr + offs_c * stride_w_c + k * stride_w_k, mask=mask_c, other=0.0)
         acc += (xv + sv) * w.to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
-    tl.store(y_ptr + offs_t[:, None] * stride_y_t + offs_c[None, :] * stride_y_c,
-             acc.to(y_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :])  # fmt: skip
+    tl.store(
+        y_ptr + offs_t[:, None] * stride_y_t + offs_c[None, :] * stride_y_c,
+        acc.to(y_ptr.dtype.element_ty),
+        mask=mask_t[:, None] & mask_c[None, :],
+    )
 
 
 @lazy_jit
 def _conv1d_varlen_state_kernel(
-    x_ptr, conv_state_ptr, cu_seqlens_ptr, state_slots_ptr, has_init_ptr,
-    Cd, stride_x_t, stride_x_c, stride_s_slot, stride_s_c, stride_s_k,
-    KM1: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    conv_state_ptr,
+    cu_seqlens_ptr,
+    state_slots_ptr,
+    has_init_ptr,
+    Cd,
+    stride_x_t,
+    stride_x_c,
+    stride_s_slot,
+    stride_s_c,
+    stride_s_k,
+    KM1: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     # Runs after the conv kernel (which reads the old states): new state = last K-1
     # inputs of (old state ++ sequence).
     seq = tl.program_id(0)
@@ -194,17 +231,24 @@ def _conv1d_varlen_state_kernel(
     mask_k = offs_k < KM1
     from_x = pos >= 0
     state_row = conv_state_ptr + slot * stride_s_slot + offs_c[:, None] * stride_s_c
-    xv = tl.load(x_ptr + (start + pos)[None, :] * stride_x_t + offs_c[:, None] * stride_x_c,
-                 mask=mask_c[:, None] & (mask_k & from_x)[None, :], other=0.0)  # fmt: skip
+    xv = tl.load(
+        x_ptr + (start + pos)[None, :] * stride_x_t + offs_c[:, None] * stride_x_c,
+        mask=mask_c[:, None] & (mask_k & from_x)[None, :],
+        other=0.0,
+    )
     from_state = mask_k & ~from_x & has_init
-    sv = tl.load(state_row + (KM1 + pos)[None, :] * stride_s_k,
-                 mask=mask_c[:, None] & from_state[None, :], other=0.0)  # fmt: skip
+    sv = tl.load(
+        state_row + (KM1 + pos)[None, :] * stride_s_k,
+        mask=mask_c[:, None] & from_state[None, :],
+        other=0.0,
+    )
     new_state = xv.to(conv_state_ptr.dtype.element_ty) + sv
     # NOTE: columns are read and written by different threads; all reads must land
     # before any write.
     tl.debug_barrier()
-    tl.store(state_row + offs_k[None, :] * stride_s_k, new_state,
-             mask=mask_c[:, None] & mask_k[None, :])  # fmt: skip
+    tl.store(
+        state_row + offs_k[None, :] * stride_s_k, new_state, mask=mask_c[:, None] & mask_k[None, :]
+    )
 
 
 def causal_conv1d_varlen_triton(
@@ -236,28 +280,69 @@ def causal_conv1d_varlen_triton(
     if T > 0:
         grid = (triton.cdiv(T, block_t), triton.cdiv(Cd, block_c))
         _conv1d_varlen_kernel[grid](
-            x, weight, bias, conv_state, cu_seqlens, state_slots, has_init, y,
-            T, Cd, S, *x.stride(), *weight.stride(), *conv_state.stride(), *y.stride(),
-            K=K, HAS_BIAS=bias is not None, SILU=activation is not None,
-            SEARCH_STEPS=max(1, S.bit_length()), BLOCK_T=block_t, BLOCK_C=block_c,
-        )  # fmt: skip
+            x,
+            weight,
+            bias,
+            conv_state,
+            cu_seqlens,
+            state_slots,
+            has_init,
+            y,
+            T,
+            Cd,
+            S,
+            *x.stride(),
+            *weight.stride(),
+            *conv_state.stride(),
+            *y.stride(),
+            K=K,
+            HAS_BIAS=bias is not None,
+            SILU=activation is not None,
+            SEARCH_STEPS=max(1, S.bit_length()),
+            BLOCK_T=block_t,
+            BLOCK_C=block_c,
+        )
     grid = (S, triton.cdiv(Cd, block_c))
     _conv1d_varlen_state_kernel[grid](
-        x, conv_state, cu_seqlens, state_slots, has_init,
-        Cd, *x.stride(), *conv_state.stride(),
-        KM1=K - 1, BLOCK_K=next_pow2(K - 1), BLOCK_C=block_c,
-    )  # fmt: skip
+        x,
+        conv_state,
+        cu_seqlens,
+        state_slots,
+        has_init,
+        Cd,
+        *x.stride(),
+        *conv_state.stride(),
+        KM1=K - 1,
+        BLOCK_K=next_pow2(K - 1),
+        BLOCK_C=block_c,
+    )
     return y
 
 
 @lazy_jit
 def _conv1d_update_kernel(
-    x_ptr, conv_state_ptr, weight_ptr, bias_ptr, state_slots_ptr, y_ptr,
-    Cd, stride_x_b, stride_x_c, stride_s_slot, stride_s_c, stride_s_k,
-    stride_w_c, stride_w_k, stride_y_b, stride_y_c,
-    KM1: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    conv_state_ptr,
+    weight_ptr,
+    bias_ptr,
+    state_slots_ptr,
+    y_ptr,
+    Cd,
+    stride_x_b,
+    stride_x_c,
+    stride_s_slot,
+    stride_s_c,
+    stride_s_k,
+    stride_w_c,
+    stride_w_k,
+    stride_y_b,
+    stride_y_c,
+    KM1: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_k = tl.arange(0, BLOCK_K)
@@ -269,8 +354,11 @@ def _conv1d_update_kernel(
     state_row = conv_state_ptr + slot * stride_s_slot + offs_c[:, None] * stride_s_c
     window = tl.load(state_row + offs_k[None, :] * stride_s_k, mask=mask_ck, other=0.0)
     x = tl.load(x_ptr + row * stride_x_b + offs_c * stride_x_c, mask=mask_c, other=0.0)
-    w = tl.load(weight_ptr + offs_c[:, None] * stride_w_c + offs_k[None, :] * stride_w_k,
-                mask=mask_c[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
+    w = tl.load(
+        weight_ptr + offs_c[:, None] * stride_w_c + offs_k[None, :] * stride_w_k,
+        mask=mask_c[:, None] & mask_k[None, :],
+        other=0.0,
+    )
     w_last = tl.load(weight_ptr + offs_c * stride_w_c + KM1 * stride_w_k, mask=mask_c, other=0.0)
     acc = tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=1)
     acc += x.to(tl.float32) * w_last.to(tl.float32)
@@ -279,11 +367,15 @@ def _conv1d_update_kernel(
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
     acc = tl.where(valid, acc, 0.0)
-    tl.store(y_ptr + row * stride_y_b + offs_c * stride_y_c, acc.to(y_ptr.dtype.element_ty),
-             mask=mask_c)  # fmt: skip
+    tl.store(
+        y_ptr + row * stride_y_b + offs_c * stride_y_c, acc.to(y_ptr.dtype.element_ty), mask=mask_c
+    )
     # Shift left by one and append x.
-    shifted = tl.load(state_row + (offs_k + 1)[None, :] * stride_s_k,
-                      mask=mask_ck & (offs_k < KM1 - 1)[None, :], other=0.0)  # fmt: skip
+    shifted = tl.load(
+        state_row + (offs_k + 1)[None, :] * stride_s_k,
+        mask=mask_ck & (offs_k < KM1 - 1)[None, :],
+        other=0.0,
+    )
     shifted = tl.where((offs_k == KM1 - 1)[None, :], x.to(shifted.dtype)[:, None], shifted)
     # NOTE: column k+1 is read by the thread writing column k+1's neighbour.
     tl.debug_barrier()
@@ -309,9 +401,21 @@ def causal_conv1d_update_triton(
     block_c = min(256, next_pow2(Cd))
     grid = (Bt, triton.cdiv(Cd, block_c))
     _conv1d_update_kernel[grid](
-        x, conv_state, weight, bias, state_slots, y,
-        Cd, *x.stride(), *conv_state.stride(), *weight.stride(), *y.stride(),
-        KM1=K - 1, HAS_BIAS=bias is not None, SILU=activation is not None,
-        BLOCK_K=next_pow2(K - 1), BLOCK_C=block_c,
-    )  # fmt: skip
+        x,
+        conv_state,
+        weight,
+        bias,
+        state_slots,
+        y,
+        Cd,
+        *x.stride(),
+        *conv_state.stride(),
+        *weight.stride(),
+        *y.stride(),
+        KM1=K - 1,
+        HAS_BIAS=bias is not None,
+        SILU=activation is not None,
+        BLOCK_K=next_pow2(K - 1),
+        BLOCK_C=block_c,
+    )
     return y

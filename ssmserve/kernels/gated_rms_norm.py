@@ -69,10 +69,22 @@ def gated_rms_norm_ref(
 
 @lazy_jit
 def _gated_rms_norm_kernel(
-    x_ptr, weight_ptr, z_ptr, y_ptr, group_size, eps,
-    stride_x_t, stride_x_c, stride_z_t, stride_z_c, stride_y_t, stride_y_c,
-    HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    weight_ptr,
+    z_ptr,
+    y_ptr,
+    group_size,
+    eps,
+    stride_x_t,
+    stride_x_c,
+    stride_z_t,
+    stride_z_c,
+    stride_y_t,
+    stride_y_c,
+    HAS_Z: tl.constexpr,
+    NORM_BEFORE_GATE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
     mask = tl.arange(0, BLOCK) < group_size
@@ -93,8 +105,9 @@ def _gated_rms_norm_kernel(
     if HAS_Z:
         if NORM_BEFORE_GATE:
             out = out * gate
-    tl.store(y_ptr + row * stride_y_t + offs * stride_y_c, out.to(y_ptr.dtype.element_ty),
-             mask=mask)  # fmt: skip
+    tl.store(
+        y_ptr + row * stride_y_t + offs * stride_y_c, out.to(y_ptr.dtype.element_ty), mask=mask
+    )
 
 
 def gated_rms_norm_triton(
@@ -114,9 +127,18 @@ def gated_rms_norm_triton(
     block = next_pow2(group)
     grid = (T, Dm // group)
     _gated_rms_norm_kernel[grid](
-        x, weight, z, y, group, float(eps),
-        *x.stride(), *(z.stride() if z is not None else (0, 0)), *y.stride(),
-        HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate, BLOCK=block,
+        x,
+        weight,
+        z,
+        y,
+        group,
+        float(eps),
+        *x.stride(),
+        *(z.stride() if z is not None else (0, 0)),
+        *y.stride(),
+        HAS_Z=z is not None,
+        NORM_BEFORE_GATE=norm_before_gate,
+        BLOCK=block,
         num_warps=min(16, max(1, block // 256)),
-    )  # fmt: skip
+    )
     return y

@@ -167,12 +167,31 @@ def paged_attention_ref(
 
 @lazy_jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, KVH, Dh, block_size,
-    stride_k_t, stride_k_h, stride_k_d, stride_v_t, stride_v_h, stride_v_d,
-    stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
-    stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    KVH,
+    Dh,
+    block_size,
+    stride_k_t,
+    stride_k_h,
+    stride_k_d,
+    stride_v_t,
+    stride_v_h,
+    stride_v_d,
+    stride_kc_b,
+    stride_kc_o,
+    stride_kc_h,
+    stride_kc_d,
+    stride_vc_b,
+    stride_vc_o,
+    stride_vc_h,
+    stride_vc_d,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     block = slot // block_size
@@ -180,16 +199,32 @@ def _write_kv_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < KVH) & (offs_d[None, :] < Dh) & (slot >= 0)
-    k = tl.load(k_ptr + token * stride_k_t + offs_h[:, None] * stride_k_h
-                + offs_d[None, :] * stride_k_d, mask=mask)  # fmt: skip
-    v = tl.load(v_ptr + token * stride_v_t + offs_h[:, None] * stride_v_h
-                + offs_d[None, :] * stride_v_d, mask=mask)  # fmt: skip
-    tl.store(k_cache_ptr + block * stride_kc_b + offset * stride_kc_o
-             + offs_h[:, None] * stride_kc_h + offs_d[None, :] * stride_kc_d,
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)  # fmt: skip
-    tl.store(v_cache_ptr + block * stride_vc_b + offset * stride_vc_o
-             + offs_h[:, None] * stride_vc_h + offs_d[None, :] * stride_vc_d,
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+    k = tl.load(
+        k_ptr + token * stride_k_t + offs_h[:, None] * stride_k_h + offs_d[None, :] * stride_k_d,
+        mask=mask,
+    )
+    v = tl.load(
+        v_ptr + token * stride_v_t + offs_h[:, None] * stride_v_h + offs_d[None, :] * stride_v_d,
+        mask=mask,
+    )
+    tl.store(
+        k_cache_ptr
+        + block * stride_kc_b
+        + offset * stride_kc_o
+        + offs_h[:, None] * stride_kc_h
+        + offs_d[None, :] * stride_kc_d,
+        k.to(k_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        v_cache_ptr
+        + block * stride_vc_b
+        + offset * stride_vc_o
+        + offs_h[:, None] * stride_vc_h
+        + offs_d[None, :] * stride_vc_d,
+        v.to(v_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 def write_kv_cache_triton(
@@ -204,10 +239,21 @@ def write_kv_cache_triton(
     if T == 0:
         return
     _write_kv_kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping, KVH, Dh, k_cache.shape[1],
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        BLOCK_H=next_pow2(KVH), BLOCK_D=next_pow2(Dh),
-    )  # fmt: skip
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        KVH,
+        Dh,
+        k_cache.shape[1],
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        BLOCK_H=next_pow2(KVH),
+        BLOCK_D=next_pow2(Dh),
+    )
 
 
 # Both attention paths run one kernel. A program owns BLOCK_Q queries of one sequence and
@@ -225,32 +271,73 @@ def write_kv_cache_triton(
 
 
 def _attend_tile(
-    q, m_i, l_i, acc, n0, kv_hi, q_pos, seq, kv_head, qk_scale, block_size, window,
-    block_tables_ptr, k_cache_ptr, v_cache_ptr, offs_d, mask_d,
-    stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
-    stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d, stride_bt_s, stride_bt_b,
-    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+    q,
+    m_i,
+    l_i,
+    acc,
+    n0,
+    kv_hi,
+    q_pos,
+    seq,
+    kv_head,
+    qk_scale,
+    block_size,
+    window,
+    block_tables_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    offs_d,
+    mask_d,
+    stride_kc_b,
+    stride_kc_o,
+    stride_kc_h,
+    stride_kc_d,
+    stride_vc_b,
+    stride_vc_o,
+    stride_vc_h,
+    stride_vc_d,
+    stride_bt_s,
+    stride_bt_b,
+    MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """One BLOCK_N-key tile of the online softmax; MASKED: causal / window / end masks."""
     k_pos = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
         mask_n = k_pos < kv_hi
         mask_nd = mask_n[:, None] & mask_d[None, :]
-        block = tl.load(block_tables_ptr + seq * stride_bt_s + (k_pos // block_size) * stride_bt_b,
-                        mask=mask_n, other=0).to(tl.int64)  # fmt: skip
+        block = tl.load(
+            block_tables_ptr + seq * stride_bt_s + (k_pos // block_size) * stride_bt_b,
+            mask=mask_n,
+            other=0,
+        ).to(tl.int64)
     else:
         mask_nd = mask_d[None, :]
         block = tl.load(
             block_tables_ptr + seq * stride_bt_s + (k_pos // block_size) * stride_bt_b
-        ).to(tl.int64)  # fmt: skip
+        ).to(tl.int64)
     offset = k_pos % block_size
-    k = tl.load(k_cache_ptr + block[:, None] * stride_kc_b + offset[:, None] * stride_kc_o
-                + kv_head * stride_kc_h + offs_d[None, :] * stride_kc_d,
-                mask=mask_nd, other=0.0)  # fmt: skip
-    v = tl.load(v_cache_ptr + block[:, None] * stride_vc_b + offset[:, None] * stride_vc_o
-                + kv_head * stride_vc_h + offs_d[None, :] * stride_vc_d,
-                mask=mask_nd, other=0.0)  # fmt: skip
+    k = tl.load(
+        k_cache_ptr
+        + block[:, None] * stride_kc_b
+        + offset[:, None] * stride_kc_o
+        + kv_head * stride_kc_h
+        + offs_d[None, :] * stride_kc_d,
+        mask=mask_nd,
+        other=0.0,
+    )
+    v = tl.load(
+        v_cache_ptr
+        + block[:, None] * stride_vc_b
+        + offset[:, None] * stride_vc_o
+        + kv_head * stride_vc_h
+        + offs_d[None, :] * stride_vc_d,
+        mask=mask_nd,
+        other=0.0,
+    )
     scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         # Rows past the valid ones are never stored, so they need no mask here.
@@ -264,8 +351,9 @@ def _attend_tile(
     p = tl.exp2(scores - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
-                                        input_precision=DOT_PRECISION)  # fmt: skip
+    acc = acc * alpha[:, None] + tl.dot(
+        p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
+    )
     return m_new, l_i, acc
 
 
@@ -276,18 +364,48 @@ if HAS_TRITON:
 
 @lazy_jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    qk_scale, first_seq, num_seqs, Dh, block_size, window,
-    stride_q_t, stride_q_h, stride_q_d,
-    stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
-    stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d,
-    stride_o_t, stride_o_h, stride_o_d, stride_bt_s, stride_bt_b,
-    HEADS_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    first_seq,
+    num_seqs,
+    Dh,
+    block_size,
+    window,
+    stride_q_t,
+    stride_q_h,
+    stride_q_d,
+    stride_kc_b,
+    stride_kc_o,
+    stride_kc_h,
+    stride_kc_d,
+    stride_vc_b,
+    stride_vc_o,
+    stride_vc_h,
+    stride_vc_d,
+    stride_o_t,
+    stride_o_h,
+    stride_o_d,
+    stride_bt_s,
+    stride_bt_b,
+    HEADS_PER_KV: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -318,9 +436,14 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < Dh
     q_pos = seq_len - q_len + q_idx
-    q = tl.load(q_ptr + (q_start + q_idx)[:, None] * stride_q_t + head[:, None] * stride_q_h
-                + offs_d[None, :] * stride_q_d,
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # fmt: skip
+    q = tl.load(
+        q_ptr
+        + (q_start + q_idx)[:, None] * stride_q_t
+        + head[:, None] * stride_q_h
+        + offs_d[None, :] * stride_q_d,
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     q = q.to(DOT_DTYPE)
 
     # Keys this program can see: [kv_lo, kv_hi); empty when it has no queries.
@@ -355,18 +478,50 @@ def _paged_attention_kernel(
             tiles_lo, tiles_hi = kv_lo, full_hi
         for n0 in range(tiles_lo, tiles_hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, n0, kv_hi, q_pos, seq, kv_head, qk_scale, block_size, window,
-                block_tables_ptr, k_cache_ptr, v_cache_ptr, offs_d, mask_d,
-                stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
-                stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d, stride_bt_s, stride_bt_b,
-                MASKED == 1, HAS_WINDOW, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
-            )  # fmt: skip
+                q,
+                m_i,
+                l_i,
+                acc,
+                n0,
+                kv_hi,
+                q_pos,
+                seq,
+                kv_head,
+                qk_scale,
+                block_size,
+                window,
+                block_tables_ptr,
+                k_cache_ptr,
+                v_cache_ptr,
+                offs_d,
+                mask_d,
+                stride_kc_b,
+                stride_kc_o,
+                stride_kc_h,
+                stride_kc_d,
+                stride_vc_b,
+                stride_vc_o,
+                stride_vc_h,
+                stride_vc_d,
+                stride_bt_s,
+                stride_bt_b,
+                MASKED == 1,
+                HAS_WINDOW,
+                BLOCK_N,
+                DOT_DTYPE,
+                DOT_PRECISION,
+            )
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     mask_out = mask_m[:, None] & mask_d[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + (q_start + q_idx)[:, None] * stride_o_t + head[:, None] * stride_o_h
-                 + offs_d[None, :] * stride_o_d, out.to(out_ptr.dtype.element_ty),
-                 mask=mask_out)  # fmt: skip
+        tl.store(
+            out_ptr
+            + (q_start + q_idx)[:, None] * stride_o_t
+            + head[:, None] * stride_o_h
+            + offs_d[None, :] * stride_o_d,
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask_out,
+        )
     else:
         # Partials are [seqs, H, NUM_SPLITS, BLOCK_D] and [seqs, H, NUM_SPLITS], contiguous.
         part = (seq * (HEADS_PER_KV * tl.num_programs(1)) + head) * NUM_SPLITS + split
@@ -377,10 +532,18 @@ def _paged_attention_kernel(
 
 @lazy_jit
 def _merge_splits_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, Dh,
-    stride_o_t, stride_o_h, stride_o_d,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    query_start_loc_ptr,
+    Dh,
+    stride_o_t,
+    stride_o_h,
+    stride_o_d,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     part = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS
@@ -392,12 +555,18 @@ def _merge_splits_kernel(
     weight = tl.exp2(lse - tl.where(m == -float("inf"), 0.0, m))  # 0 for empty splits
     total = tl.sum(weight, axis=0)
     # Columns past Dh were never written (the partials' stores stop at Dh): mask them too.
-    parts = tl.load(part_out_ptr + (part + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
-                    mask=mask_s[:, None] & (offs_d < Dh)[None, :], other=0.0)  # fmt: skip
+    parts = tl.load(
+        part_out_ptr + (part + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
+        mask=mask_s[:, None] & (offs_d < Dh)[None, :],
+        other=0.0,
+    )
     out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    tl.store(out_ptr + q_start * stride_o_t + head * stride_o_h + offs_d * stride_o_d,
-             out.to(out_ptr.dtype.element_ty), mask=offs_d < Dh)  # fmt: skip
+    tl.store(
+        out_ptr + q_start * stride_o_t + head * stride_o_h + offs_d * stride_o_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < Dh,
+    )
 
 
 def _decode_config(
@@ -421,8 +590,13 @@ def _decode_config(
     num_splits = min(num_splits, 64, max(1, -(-max_context // (2 * block_n))))
     # 2 stages: 0.288 ms against 0.434 with 3 at batch 64, 4k context on the H200
     # (benchmarks/results/paged_attention_2026-11-30_h200.log).
-    return {"block_m": block_m, "block_n": block_n, "num_splits": num_splits,
-            "num_warps": 4, "num_stages": 2}  # fmt: skip
+    return {
+        "block_m": block_m,
+        "block_n": block_n,
+        "num_splits": num_splits,
+        "num_warps": 4,
+        "num_stages": 2,
+    }
 
 
 def _prefill_config(heads_per_kv: int, Dh: int) -> dict[str, Any]:
@@ -436,11 +610,21 @@ def _prefill_config(heads_per_kv: int, Dh: int) -> dict[str, Any]:
     """
     if Dh <= 128:
         block_m = max(128, next_pow2(heads_per_kv))
-        return {"block_m": block_m, "block_q": block_m // heads_per_kv, "block_n": 64,
-                "num_warps": 8, "num_stages": 3}  # fmt: skip
+        return {
+            "block_m": block_m,
+            "block_q": block_m // heads_per_kv,
+            "block_n": 64,
+            "num_warps": 8,
+            "num_stages": 3,
+        }
     block_m = max(64, next_pow2(heads_per_kv))
-    return {"block_m": block_m, "block_q": block_m // heads_per_kv, "block_n": 32,
-            "num_warps": 8, "num_stages": 2}  # fmt: skip
+    return {
+        "block_m": block_m,
+        "block_q": block_m // heads_per_kv,
+        "block_n": 32,
+        "num_warps": 8,
+        "num_stages": 2,
+    }
 
 
 def paged_attention_triton(
@@ -478,12 +662,23 @@ def paged_attention_triton(
     heads_per_kv = H // KVH
     block_d = max(16, next_pow2(Dh))  # tl.dot needs every dimension >= 16 on the GPU
     args = (block_tables, query_start_loc, seq_lens, float(scale) * math.log2(math.e))
-    strides = (Dh, block_size, sliding_window or 0, *q.stride(), *k_cache.stride(),
-               *v_cache.stride(), *out.stride(), *block_tables.stride())  # fmt: skip
+    strides = (
+        Dh,
+        block_size,
+        sliding_window or 0,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *out.stride(),
+        *block_tables.stride(),
+    )
     meta = dict(
-        HEADS_PER_KV=heads_per_kv, HAS_WINDOW=sliding_window is not None, BLOCK_D=block_d,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-    )  # fmt: skip
+        HEADS_PER_KV=heads_per_kv,
+        HAS_WINDOW=sliding_window is not None,
+        BLOCK_D=block_d,
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION=precision,
+    )
     if num_decodes > 0:
         max_context = block_tables.shape[1] * block_size
         cfg = _decode_config(num_decodes, KVH, heads_per_kv, Dh, max_context, q.device)
@@ -493,25 +688,60 @@ def paged_attention_triton(
             part_out = q.new_empty(num_decodes, H, splits, block_d, dtype=torch.float32)
             part_lse = q.new_empty(num_decodes, H, splits, dtype=torch.float32)
         _paged_attention_kernel[(num_decodes, KVH, splits)](
-            q, k_cache, v_cache, out, part_out, part_lse, *args, 0, num_decodes, *strides,
-            BLOCK_Q=1, NUM_SPLITS=splits, SEARCH_STEPS=0,
-            BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta,
-        )  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+            out,
+            part_out,
+            part_lse,
+            *args,
+            0,
+            num_decodes,
+            *strides,
+            BLOCK_Q=1,
+            NUM_SPLITS=splits,
+            SEARCH_STEPS=0,
+            BLOCK_M=cfg["block_m"],
+            BLOCK_N=cfg["block_n"],
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+            **meta,
+        )
         if splits > 1:
             _merge_splits_kernel[(num_decodes, H)](
-                out, part_out, part_lse, query_start_loc, Dh, *out.stride(),
-                NUM_SPLITS=splits, BLOCK_S=next_pow2(splits), BLOCK_D=block_d,
-            )  # fmt: skip
+                out,
+                part_out,
+                part_lse,
+                query_start_loc,
+                Dh,
+                *out.stride(),
+                NUM_SPLITS=splits,
+                BLOCK_S=next_pow2(splits),
+                BLOCK_D=block_d,
+            )
     num_prefills = S - num_decodes
     if num_prefills > 0:
         cfg = _prefill_config(heads_per_kv, Dh)
         # decodes hold exactly one query each, so the prefills hold T - num_decodes
         grid = ((T - num_decodes) // cfg["block_q"] + num_prefills, KVH, 1)
         _paged_attention_kernel[grid](
-            q, k_cache, v_cache, out, out, out, *args, num_decodes, num_prefills, *strides,
-            BLOCK_Q=cfg["block_q"], NUM_SPLITS=1, SEARCH_STEPS=num_prefills.bit_length(),
-            BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **meta,
-        )  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+            out,
+            out,
+            out,
+            *args,
+            num_decodes,
+            num_prefills,
+            *strides,
+            BLOCK_Q=cfg["block_q"],
+            NUM_SPLITS=1,
+            SEARCH_STEPS=num_prefills.bit_length(),
+            BLOCK_M=cfg["block_m"],
+            BLOCK_N=cfg["block_n"],
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+            **meta,
+        )
     return out

@@ -158,15 +158,48 @@ if HAS_TRITON:
 
 @lazy_jit
 def _selective_scan_kernel(
-    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, delta_bias_ptr, y_ptr, state_ptr,
-    cu_seqlens_ptr, state_slots_ptr, has_init_ptr, Dm, N,
-    stride_u_t, stride_u_d, stride_delta_t, stride_delta_d, stride_a_d, stride_a_n,
-    stride_b_t, stride_b_n, stride_c_t, stride_c_n, stride_z_t, stride_z_d,
-    stride_y_t, stride_y_d, stride_s_slot, stride_s_d, stride_s_n,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DELTA_BIAS: tl.constexpr,
-    DELTA_SOFTPLUS: tl.constexpr, FAST_LOG: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, N_INNER: tl.constexpr,
-):  # fmt: skip
+    u_ptr,
+    delta_ptr,
+    A_ptr,
+    B_ptr,
+    C_ptr,
+    D_ptr,
+    z_ptr,
+    delta_bias_ptr,
+    y_ptr,
+    state_ptr,
+    cu_seqlens_ptr,
+    state_slots_ptr,
+    has_init_ptr,
+    Dm,
+    N,
+    stride_u_t,
+    stride_u_d,
+    stride_delta_t,
+    stride_delta_d,
+    stride_a_d,
+    stride_a_n,
+    stride_b_t,
+    stride_b_n,
+    stride_c_t,
+    stride_c_n,
+    stride_z_t,
+    stride_z_d,
+    stride_y_t,
+    stride_y_d,
+    stride_s_slot,
+    stride_s_d,
+    stride_s_n,
+    HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_DELTA_BIAS: tl.constexpr,
+    DELTA_SOFTPLUS: tl.constexpr,
+    FAST_LOG: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    N_INNER: tl.constexpr,
+):
     pid_d = tl.program_id(0)
     seq = tl.program_id(1)
     N_OUTER: tl.constexpr = BLOCK_N // N_INNER
@@ -181,14 +214,21 @@ def _selective_scan_kernel(
     end = tl.load(cu_seqlens_ptr + seq + 1).to(tl.int64)
     slot = tl.load(state_slots_ptr + seq).to(tl.int64)
     has_init = tl.load(has_init_ptr + seq) != 0
-    state_ptrs = (state_ptr + slot * stride_s_slot + offs_d[None, :, None] * stride_s_d
-                  + offs_n[:, None, :] * stride_s_n)  # fmt: skip
+    state_ptrs = (
+        state_ptr
+        + slot * stride_s_slot
+        + offs_d[None, :, None] * stride_s_d
+        + offs_n[:, None, :] * stride_s_n
+    )
     h = tl.load(state_ptrs, mask=mask_dn & has_init, other=0.0).to(tl.float32)
     # Gives the carried state the layout the loop produces it in (a reduction over the
     # token axis), so it is not converted twice per block.
     h = tl.sum(h[None, :, :, :], axis=0)
-    A = tl.load(A_ptr + offs_d[None, :, None] * stride_a_d + offs_n[:, None, :] * stride_a_n,
-                mask=mask_dn, other=0.0).to(tl.float32)  # fmt: skip
+    A = tl.load(
+        A_ptr + offs_d[None, :, None] * stride_a_d + offs_n[:, None, :] * stride_a_n,
+        mask=mask_dn,
+        other=0.0,
+    ).to(tl.float32)
     A_log2 = A * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
     if HAS_DELTA_BIAS:
         delta_bias = tl.load(delta_bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
@@ -333,13 +373,38 @@ def selective_scan_varlen_triton(
         B, C = B.float(), C.float()
     grid = (triton.cdiv(Dm, cfg["block_d"]), S)
     _selective_scan_kernel[grid](
-        u, delta, A, B, C, D, z, delta_bias, y, ssm_state,
-        cu_seqlens, state_slots, has_initial_state.to(torch.int8), Dm, N,
-        *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
-        *(z.stride() if z is not None else (0, 0)), *y.stride(), *ssm_state.stride(),
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_DELTA_BIAS=delta_bias is not None,
-        DELTA_SOFTPLUS=delta_softplus, FAST_LOG=not interpret_mode(),
-        BLOCK_T=cfg["block_t"], BLOCK_D=cfg["block_d"], BLOCK_N=next_pow2(N),
-        N_INNER=cfg["n_inner"], num_warps=cfg["num_warps"],
-    )  # fmt: skip
+        u,
+        delta,
+        A,
+        B,
+        C,
+        D,
+        z,
+        delta_bias,
+        y,
+        ssm_state,
+        cu_seqlens,
+        state_slots,
+        has_initial_state.to(torch.int8),
+        Dm,
+        N,
+        *u.stride(),
+        *delta.stride(),
+        *A.stride(),
+        *B.stride(),
+        *C.stride(),
+        *(z.stride() if z is not None else (0, 0)),
+        *y.stride(),
+        *ssm_state.stride(),
+        HAS_D=D is not None,
+        HAS_Z=z is not None,
+        HAS_DELTA_BIAS=delta_bias is not None,
+        DELTA_SOFTPLUS=delta_softplus,
+        FAST_LOG=not interpret_mode(),
+        BLOCK_T=cfg["block_t"],
+        BLOCK_D=cfg["block_d"],
+        BLOCK_N=next_pow2(N),
+        N_INNER=cfg["n_inner"],
+        num_warps=cfg["num_warps"],
+    )
     return y

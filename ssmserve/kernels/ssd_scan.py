@@ -210,15 +210,31 @@ def ssd_scan_varlen_ref(
 
 @lazy_jit
 def _ssd_chunk_cumsum_kernel(
-    dt_ptr, A_ptr, dt_bias_ptr, cu_seqlens_ptr, start_pos_ptr,
-    dt_out_ptr, cum_out_ptr, chunk_start_ptr, chunk_len_ptr, chunk_seq_ptr,
+    dt_ptr,
+    A_ptr,
+    dt_bias_ptr,
+    cu_seqlens_ptr,
+    start_pos_ptr,
+    dt_out_ptr,
+    cum_out_ptr,
+    chunk_start_ptr,
+    chunk_len_ptr,
+    chunk_seq_ptr,
     seq_first_chunk_ptr,
-    num_seqs, H, dt_min, dt_max,
-    stride_dt_t, stride_dt_h,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, CLAMP_DT: tl.constexpr,
+    num_seqs,
+    H,
+    dt_min,
+    dt_max,
+    stride_dt_t,
+    stride_dt_h,
+    HAS_DT_BIAS: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr,
+    CLAMP_DT: tl.constexpr,
     HAS_START_POS: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SEQ: tl.constexpr,
-):  # fmt: skip
+    CHUNK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_SEQ: tl.constexpr,
+):
     chunk = tl.program_id(0)
     pid_h = tl.program_id(1)
     # Which sequence owns this chunk id, without a search: sequence s owns chunk ids
@@ -240,9 +256,7 @@ def _ssd_chunk_cumsum_kernel(
     owner = (first_chunk <= chunk) & (chunk < last_chunk)
     k = chunk - first_chunk  # index of this chunk within its sequence
     start = tl.sum(tl.where(owner, seq_start + tl.maximum(k * CHUNK - offset, 0), 0), 0)
-    end = tl.sum(
-        tl.where(owner, tl.minimum(seq_end, seq_start + (k + 1) * CHUNK - offset), 0), 0
-    )  # fmt: skip
+    end = tl.sum(tl.where(owner, tl.minimum(seq_end, seq_start + (k + 1) * CHUNK - offset), 0), 0)
     length = tl.maximum(end - start, 0)
     seq = tl.max(tl.where(owner, offs_s, -1), 0)
     tl.store(chunk_start_ptr + chunk, start, mask=pid_h == 0)
@@ -279,12 +293,24 @@ def _ssd_chunk_cumsum_kernel(
 
 @lazy_jit
 def _ssd_chunk_cb_kernel(
-    B_ptr, C_ptr, cb_ptr, chunk_start_ptr, chunk_len_ptr, N,
-    stride_b_t, stride_b_g, stride_b_n,
-    stride_c_t, stride_c_g, stride_c_n,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+    B_ptr,
+    C_ptr,
+    cb_ptr,
+    chunk_start_ptr,
+    chunk_len_ptr,
+    N,
+    stride_b_t,
+    stride_b_g,
+    stride_b_n,
+    stride_c_t,
+    stride_c_g,
+    stride_c_n,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     # The BLOCK x BLOCK tiles (m, j), j <= m, of C B^T per (chunk, group), shared by the
     # group's heads; stored as [chunk, group, CHUNK // BLOCK (m), CHUNK // BLOCK (j),
     # BLOCK, BLOCK] (tiles above the diagonal are never written nor read).
@@ -302,15 +328,21 @@ def _ssd_chunk_cb_kernel(
         offs_n = tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         c = tl.load(
-            C_ptr + (t0 + offs_m)[:, None] * stride_c_t + group * stride_c_g
+            C_ptr
+            + (t0 + offs_m)[:, None] * stride_c_t
+            + group * stride_c_g
             + offs_n[None, :] * stride_c_n,
-            mask=(offs_m < length)[:, None] & mask_n[None, :], other=0.0,
-        )  # fmt: skip
+            mask=(offs_m < length)[:, None] & mask_n[None, :],
+            other=0.0,
+        )
         bT = tl.load(
-            B_ptr + (t0 + offs_j)[None, :] * stride_b_t + group * stride_b_g
+            B_ptr
+            + (t0 + offs_j)[None, :] * stride_b_t
+            + group * stride_b_g
             + offs_n[:, None] * stride_b_n,
-            mask=(offs_j < length)[None, :] & mask_n[:, None], other=0.0,
-        )  # fmt: skip
+            mask=(offs_j < length)[None, :] & mask_n[:, None],
+            other=0.0,
+        )
         cb = tl.dot(c.to(DOT_DTYPE), bT.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         offs = tl.arange(0, BLOCK)
         out = (((chunk * num_groups + group) * ROWS + m) * ROWS + j) * BLOCK * BLOCK
@@ -321,22 +353,61 @@ def _ssd_chunk_cb_kernel(
 
 @lazy_jit
 def _ssd_chunk_scan_kernel(
-    x_ptr, B_ptr, C_ptr, z_ptr, D_ptr, y_ptr, cb_ptr, dt_buf_ptr, cum_buf_ptr,
-    chunk_start_ptr, chunk_len_ptr, chunk_seq_ptr, seq_first_chunk_ptr,
-    state_slots_ptr, has_init_ptr, state_ptr, ring_ptr, ticket_ptr, published_ptr,
-    H, heads_per_group, P, N,
-    stride_x_t, stride_x_h, stride_x_p,
-    stride_b_t, stride_b_g, stride_b_n,
-    stride_c_t, stride_c_g, stride_c_n,
-    stride_z_t, stride_z_h, stride_z_p,
-    stride_y_t, stride_y_h, stride_y_p,
-    stride_s_slot, stride_s_h, stride_s_p, stride_s_n,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_P: tl.constexpr, P_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STATE_DOT_DTYPE: tl.constexpr, STATE_PRECISION: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    B_ptr,
+    C_ptr,
+    z_ptr,
+    D_ptr,
+    y_ptr,
+    cb_ptr,
+    dt_buf_ptr,
+    cum_buf_ptr,
+    chunk_start_ptr,
+    chunk_len_ptr,
+    chunk_seq_ptr,
+    seq_first_chunk_ptr,
+    state_slots_ptr,
+    has_init_ptr,
+    state_ptr,
+    ring_ptr,
+    ticket_ptr,
+    published_ptr,
+    H,
+    heads_per_group,
+    P,
+    N,
+    stride_x_t,
+    stride_x_h,
+    stride_x_p,
+    stride_b_t,
+    stride_b_g,
+    stride_b_n,
+    stride_c_t,
+    stride_c_g,
+    stride_c_n,
+    stride_z_t,
+    stride_z_h,
+    stride_z_p,
+    stride_y_t,
+    stride_y_h,
+    stride_y_p,
+    stride_s_slot,
+    stride_s_h,
+    stride_s_p,
+    stride_s_n,
+    HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    P_BLOCKS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    STATE_DOT_DTYPE: tl.constexpr,
+    STATE_PRECISION: tl.constexpr,
+):
     # One program per (chunk, head, block of P): states are kept as [N, P] (the C.S dot
     # operand as it is, and the contribution's dot has N as its 128-row M side).
     ticket = tl.atomic_add(ticket_ptr, 1)
@@ -370,16 +441,17 @@ def _ssd_chunk_scan_kernel(
             # Scale x (the smaller operand): B goes from memory to the dot as it is.
             x_k = tl.load(
                 x_head + t[:, None] * stride_x_t, mask=mask_k[:, None] & mask_p[None, :], other=0.0
-            ).to(tl.float32)  # fmt: skip
+            ).to(tl.float32)
             bT = tl.load(
-                B_ptr + t[None, :] * stride_b_t + group * stride_b_g
-                + offs_n[:, None] * stride_b_n,
-                mask=mask_k[None, :] & mask_n[:, None], other=0.0,
-            )  # fmt: skip
+                B_ptr + t[None, :] * stride_b_t + group * stride_b_g + offs_n[:, None] * stride_b_n,
+                mask=mask_k[None, :] & mask_n[:, None],
+                other=0.0,
+            )
             contrib += tl.dot(
-                bT.to(DOT_DTYPE), (x_k * weight[:, None]).to(DOT_DTYPE),
+                bT.to(DOT_DTYPE),
+                (x_k * weight[:, None]).to(DOT_DTYPE),
                 input_precision=DOT_PRECISION,
-            )  # fmt: skip
+            )
 
         # 2. The chained step. Wait until the previous chunk id (of any sequence: the ring
         #    below is only safe if chunks publish in order) has published for this chain.
@@ -399,29 +471,35 @@ def _ssd_chunk_scan_kernel(
             has_init = tl.load(has_init_ptr + seq) != 0
             state_in = tl.load(
                 slot_head + offs_n[:, None] * stride_s_n + offs_p[None, :] * stride_s_p,
-                mask=mask_n[:, None] & mask_p[None, :] & has_init, other=0.0,
-            ).to(tl.float32)  # fmt: skip
+                mask=mask_n[:, None] & mask_p[None, :] & has_init,
+                other=0.0,
+            ).to(tl.float32)
         else:
             # .cg: read L2, where the previous program wrote, never a stale L1 line.
             state_in = tl.load(
-                ring_lane + ((chunk - 1) % 2) * (H * P_BLOCKS * BLOCK_N * BLOCK_P)
-                + offs_n[:, None] * BLOCK_P + tl.arange(0, BLOCK_P)[None, :],
+                ring_lane
+                + ((chunk - 1) % 2) * (H * P_BLOCKS * BLOCK_N * BLOCK_P)
+                + offs_n[:, None] * BLOCK_P
+                + tl.arange(0, BLOCK_P)[None, :],
                 cache_modifier=".cg",
-            )  # fmt: skip
+            )
         state_out = state_in * tl.exp2(total) + contrib
         if chunk + 1 == last:
             tl.store(
                 slot_head + offs_n[:, None] * stride_s_n + offs_p[None, :] * stride_s_p,
-                state_out.to(state_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_p[None, :],
-            )  # fmt: skip
+                state_out.to(state_ptr.dtype.element_ty),
+                mask=mask_n[:, None] & mask_p[None, :],
+            )
         else:
             # NOTE: safe to overwrite: the ring entry chunk - 2 wrote was read by chunk - 1
             # before it published, and we saw that publish above.
             tl.store(
-                ring_lane + (chunk % 2) * (H * P_BLOCKS * BLOCK_N * BLOCK_P)
-                + offs_n[:, None] * BLOCK_P + tl.arange(0, BLOCK_P)[None, :],
+                ring_lane
+                + (chunk % 2) * (H * P_BLOCKS * BLOCK_N * BLOCK_P)
+                + offs_n[:, None] * BLOCK_P
+                + tl.arange(0, BLOCK_P)[None, :],
                 state_out,
-            )  # fmt: skip
+            )
         # Release: every thread's stores above are visible before the flag says so (the
         # barrier orders them before the one thread that performs the release).
         tl.debug_barrier()
@@ -448,10 +526,13 @@ def _ssd_chunk_scan_kernel(
             t_m = t0 + offs_m
             cum_m = tl.load(cum_buf_ptr + base + offs_m)
             c = tl.load(
-                C_ptr + t_m[:, None] * stride_c_t + group * stride_c_g
+                C_ptr
+                + t_m[:, None] * stride_c_t
+                + group * stride_c_g
                 + offs_n[None, :] * stride_c_n,
-                mask=mask_m[:, None] & mask_n[None, :], other=0.0,
-            )  # fmt: skip
+                mask=mask_m[:, None] & mask_n[None, :],
+                other=0.0,
+            )
             acc = tl.dot(c.to(STATE_DOT_DTYPE), state_op, input_precision=STATE_PRECISION)
             acc *= tl.exp2(cum_m)[:, None]
             if m0 > 0:
@@ -463,14 +544,20 @@ def _ssd_chunk_scan_kernel(
                     w *= tl.load(dt_buf_ptr + base + offs_j)
                     x_j = tl.load(
                         x_head + (t0 + offs_j)[:, None] * stride_x_t,
-                        mask=mask_p[None, :], other=0.0,
-                    ).to(tl.float32)  # fmt: skip
-                    cb = tl.load(cb_ptr + cb_base + ((m0 // BLOCK) * ROWS + j0 // BLOCK)
-                                 * BLOCK * BLOCK + tile)  # fmt: skip
+                        mask=mask_p[None, :],
+                        other=0.0,
+                    ).to(tl.float32)
+                    cb = tl.load(
+                        cb_ptr
+                        + cb_base
+                        + ((m0 // BLOCK) * ROWS + j0 // BLOCK) * BLOCK * BLOCK
+                        + tile
+                    )
                     off += tl.dot(
-                        cb.to(DOT_DTYPE), (x_j * w[:, None]).to(DOT_DTYPE),
+                        cb.to(DOT_DTYPE),
+                        (x_j * w[:, None]).to(DOT_DTYPE),
                         input_precision=DOT_PRECISION,
-                    )  # fmt: skip
+                    )
                 acc += off * tl.exp2(cum_m - ref)[:, None]
             # The diagonal tile: -inf above the diagonal before exp (cum_i - cum_j > 0
             # there and may overflow).
@@ -480,23 +567,27 @@ def _ssd_chunk_scan_kernel(
             causal = offs_m[:, None] >= offs_m[None, :]
             decay = tl.exp2(tl.where(causal, cum_m[:, None] - cum_m[None, :], -float("inf")))
             scores = cb.to(tl.float32) * decay * dt_m[None, :]  # decay is 0 above the diagonal
-            acc += tl.dot(
-                scores.to(DOT_DTYPE), x_m.to(DOT_DTYPE), input_precision=DOT_PRECISION
-            )  # fmt: skip
+            acc += tl.dot(scores.to(DOT_DTYPE), x_m.to(DOT_DTYPE), input_precision=DOT_PRECISION)
             if HAS_D:
                 acc += tl.load(D_ptr + head).to(tl.float32) * x_m.to(tl.float32)
             if HAS_Z:
                 z = tl.load(
-                    z_ptr + t_m[:, None] * stride_z_t + head * stride_z_h
+                    z_ptr
+                    + t_m[:, None] * stride_z_t
+                    + head * stride_z_h
                     + offs_p[None, :] * stride_z_p,
-                    mask=mask_mp, other=0.0,
-                ).to(tl.float32)  # fmt: skip
+                    mask=mask_mp,
+                    other=0.0,
+                ).to(tl.float32)
                 acc *= z / (1.0 + tl.exp(-z))
             tl.store(
-                y_ptr + t_m[:, None] * stride_y_t + head * stride_y_h
+                y_ptr
+                + t_m[:, None] * stride_y_t
+                + head * stride_y_h
                 + offs_p[None, :] * stride_y_p,
-                acc.to(y_ptr.dtype.element_ty), mask=mask_mp,
-            )  # fmt: skip
+                acc.to(y_ptr.dtype.element_ty),
+                mask=mask_mp,
+            )
 
 
 def _launch_config(
@@ -542,11 +633,11 @@ def _dot_config(dtype: torch.dtype) -> dict[str, Any]:
     """
     if dtype == torch.float32 or interpret_mode():
         # The interpreter mis-computes 16-bit tl.dot; float32 there is also more exact.
-        return dict(dot=tl.float32, precision="ieee", state_dot=tl.float32,
-                    state_precision="ieee")  # fmt: skip
+        return dict(dot=tl.float32, precision="ieee", state_dot=tl.float32, state_precision="ieee")
     if dtype == torch.bfloat16:
-        return dict(dot=tl.bfloat16, precision="tf32", state_dot=tl.bfloat16,
-                    state_precision="tf32")  # fmt: skip
+        return dict(
+            dot=tl.bfloat16, precision="tf32", state_dot=tl.bfloat16, state_precision="tf32"
+        )
     return dict(dot=tl.float16, precision="tf32", state_dot=tl.float32, state_precision="tf32")
 
 
@@ -581,15 +672,38 @@ def _chunk_layout(
     lo, hi = dt_limit
     block_h = min(16, next_pow2(H))
     _ssd_chunk_cumsum_kernel[(num_chunk_ids, triton.cdiv(H, block_h))](
-        dt, A, dt_bias, cu_seqlens, start_positions,
-        dt_buf, cum_buf, meta[0], meta[1], meta[2], seq_first_chunk,
-        S, H, float(lo), float(hi), *dt.stride(),
-        HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
-        CLAMP_DT=lo > 0.0 or hi < math.inf, HAS_START_POS=start_positions is not None,
-        CHUNK=chunk, BLOCK_H=block_h, BLOCK_SEQ=next_pow2(S + 1),
-    )  # fmt: skip
-    return dict(chunk_start=meta[0], chunk_len=meta[1], chunk_seq=meta[2],
-                seq_first_chunk=seq_first_chunk, dt=dt_buf, cum=cum_buf)  # fmt: skip
+        dt,
+        A,
+        dt_bias,
+        cu_seqlens,
+        start_positions,
+        dt_buf,
+        cum_buf,
+        meta[0],
+        meta[1],
+        meta[2],
+        seq_first_chunk,
+        S,
+        H,
+        float(lo),
+        float(hi),
+        *dt.stride(),
+        HAS_DT_BIAS=dt_bias is not None,
+        DT_SOFTPLUS=dt_softplus,
+        CLAMP_DT=lo > 0.0 or hi < math.inf,
+        HAS_START_POS=start_positions is not None,
+        CHUNK=chunk,
+        BLOCK_H=block_h,
+        BLOCK_SEQ=next_pow2(S + 1),
+    )
+    return dict(
+        chunk_start=meta[0],
+        chunk_len=meta[1],
+        chunk_seq=meta[2],
+        seq_first_chunk=seq_first_chunk,
+        dt=dt_buf,
+        cum=cum_buf,
+    )
 
 
 def ssd_scan_varlen_triton(
@@ -624,9 +738,21 @@ def ssd_scan_varlen_triton(
     instead of the C.B^T and fused launches (SSMSERVE_SSD_GLUON=0 turns it off).
     """
     T, H, P, G, N = _check_ssd_args(
-        x, dt, A, B, C, D, cu_seqlens, ssm_state, state_slots, has_initial_state, dt_bias, z,
-        chunk_size, start_positions,
-    )  # fmt: skip
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        cu_seqlens,
+        ssm_state,
+        state_slots,
+        has_initial_state,
+        dt_bias,
+        z,
+        chunk_size,
+        start_positions,
+    )
     S = state_slots.shape[0]
     check_shape("cu_seqlens", cu_seqlens, [S + 1])
     check_shape("has_initial_state", has_initial_state, [S])
@@ -639,8 +765,9 @@ def ssd_scan_varlen_triton(
     block_p = max(16, min(cfg["block_p"], next_pow2(P)))
     p_blocks = triton.cdiv(P, block_p)
     block_n = max(16, next_pow2(N))
-    layout = _chunk_layout(dt, A, dt_bias, cu_seqlens, start_positions, chunk,
-                           dt_softplus, dt_limit)  # fmt: skip
+    layout = _chunk_layout(
+        dt, A, dt_bias, cu_seqlens, start_positions, chunk, dt_softplus, dt_limit
+    )
     num_chunk_ids = layout["chunk_len"].shape[0]
     chunk_start, chunk_len = layout["chunk_start"], layout["chunk_len"]
     chunk_seq, seq_first_chunk = layout["chunk_seq"], layout["seq_first_chunk"]
@@ -648,7 +775,7 @@ def ssd_scan_varlen_triton(
     if ssd_scan_hopper.hopper_scan_usable(x, B, C, z, y, ssm_state, chunk):
         ssd_scan_hopper.launch_hopper_scan(
             x, B, C, z, D, y, layout, ssm_state, state_slots, has_initial_state
-        )  # fmt: skip
+        )
         return y
     dev = x.device
     rows = chunk // block
@@ -657,24 +784,67 @@ def ssd_scan_varlen_triton(
     if cfg.get("maxnreg"):
         launch["maxnreg"] = cfg["maxnreg"]
     _ssd_chunk_cb_kernel[(rows * rows, num_chunk_ids, G)](
-        B, C, cb, chunk_start, chunk_len, N, *B.stride(), *C.stride(),
-        CHUNK=chunk, BLOCK=block, BLOCK_N=block_n,
-        DOT_DTYPE=dots["dot"], DOT_PRECISION=dots["precision"], **launch,
-    )  # fmt: skip
+        B,
+        C,
+        cb,
+        chunk_start,
+        chunk_len,
+        N,
+        *B.stride(),
+        *C.stride(),
+        CHUNK=chunk,
+        BLOCK=block,
+        BLOCK_N=block_n,
+        DOT_DTYPE=dots["dot"],
+        DOT_PRECISION=dots["precision"],
+        **launch,
+    )
     ring = torch.empty(2, H * p_blocks, block_n, block_p, dtype=torch.float32, device=dev)
     # [ticket, published per (head, P block)]: the only buffer that must start at zero.
     counters = torch.zeros(1 + H * p_blocks, dtype=torch.int32, device=dev)
     z_strides = z.stride() if z is not None else (0, 0, 0)
     _ssd_chunk_scan_kernel[(num_chunk_ids * H * p_blocks,)](
-        x, B, C, z, D, y, cb, dt_buf, cum_buf,
-        chunk_start, chunk_len, chunk_seq, seq_first_chunk,
-        state_slots, has_initial_state.to(torch.int8), ssm_state, ring,
-        counters, counters[1:],
-        H, H // G, P, N,
-        *x.stride(), *B.stride(), *C.stride(), *z_strides, *y.stride(), *ssm_state.stride(),
-        HAS_D=D is not None, HAS_Z=z is not None,
-        CHUNK=chunk, BLOCK=block, BLOCK_T=block_t, BLOCK_P=block_p, P_BLOCKS=p_blocks,
-        BLOCK_N=block_n, DOT_DTYPE=dots["dot"], DOT_PRECISION=dots["precision"],
-        STATE_DOT_DTYPE=dots["state_dot"], STATE_PRECISION=dots["state_precision"], **launch,
-    )  # fmt: skip
+        x,
+        B,
+        C,
+        z,
+        D,
+        y,
+        cb,
+        dt_buf,
+        cum_buf,
+        chunk_start,
+        chunk_len,
+        chunk_seq,
+        seq_first_chunk,
+        state_slots,
+        has_initial_state.to(torch.int8),
+        ssm_state,
+        ring,
+        counters,
+        counters[1:],
+        H,
+        H // G,
+        P,
+        N,
+        *x.stride(),
+        *B.stride(),
+        *C.stride(),
+        *z_strides,
+        *y.stride(),
+        *ssm_state.stride(),
+        HAS_D=D is not None,
+        HAS_Z=z is not None,
+        CHUNK=chunk,
+        BLOCK=block,
+        BLOCK_T=block_t,
+        BLOCK_P=block_p,
+        P_BLOCKS=p_blocks,
+        BLOCK_N=block_n,
+        DOT_DTYPE=dots["dot"],
+        DOT_PRECISION=dots["precision"],
+        STATE_DOT_DTYPE=dots["state_dot"],
+        STATE_PRECISION=dots["state_precision"],
+        **launch,
+    )
     return y

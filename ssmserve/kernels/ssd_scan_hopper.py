@@ -63,9 +63,14 @@ NUM_STAGES = 3
 
 
 def hopper_scan_usable(
-    x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, z: torch.Tensor | None,
-    y: torch.Tensor, ssm_state: torch.Tensor, chunk: int,
-) -> bool:  # fmt: skip
+    x: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    z: torch.Tensor | None,
+    y: torch.Tensor,
+    ssm_state: torch.Tensor,
+    chunk: int,
+) -> bool:
     """Whether the Gluon kernel takes this call (else the Triton-language kernel does).
 
     It needs an sm_90 GPU, bf16 x, B and C, head dim 64, state dim 64 or 128, 256-token
@@ -114,9 +119,12 @@ def _loader(descs, bufs, bars, ptrs, scal):
     num_chunks, head, group, H = scal[0], scal[1], scal[2], scal[3]
     ROWS: gl.constexpr = CHUNK // BLOCK
     nbytes: gl.constexpr = (
-        x_desc.block_type.nbytes + b_desc.block_type.nbytes + c_desc.block_type.nbytes
-        + cum_desc.block_type.nbytes + dt_desc.block_type.nbytes
-    )  # fmt: skip
+        x_desc.block_type.nbytes
+        + b_desc.block_type.nbytes
+        + c_desc.block_type.nbytes
+        + cum_desc.block_type.nbytes
+        + dt_desc.block_type.nbytes
+    )
     g = 0
     for c in range(0, num_chunks):
         t0 = gl.load(chunk_start_ptr + c)
@@ -184,10 +192,14 @@ def _state(descs, bufs, bars, ptrs, scal):
             slot = gl.load(state_slots_ptr + seq).to(gl.int64)
             has_init = gl.load(has_init_ptr + seq) != 0
             state = gl.load(
-                state_ptr + slot * stride_s_slot + head * stride_s_h
-                + offs_p[:, None] * stride_s_p + offs_n[None, :],
-                mask=(offs_p < P)[:, None] & has_init, other=0.0,
-            )  # fmt: skip
+                state_ptr
+                + slot * stride_s_slot
+                + head * stride_s_h
+                + offs_p[:, None] * stride_s_p
+                + offs_n[None, :],
+                mask=(offs_p < P)[:, None] & has_init,
+                other=0.0,
+            )
             state = state.to(gl.float32)
         ref = 0.0
         # Block m's operand is prepared while block m - 1's dot runs.
@@ -225,10 +237,13 @@ def _state(descs, bufs, bars, ptrs, scal):
         if (seq_next != seq) | (c + 1 == num_chunks):
             slot = gl.load(state_slots_ptr + seq).to(gl.int64)
             gl.store(
-                state_ptr + slot * stride_s_slot + head * stride_s_h
-                + offs_p[:, None] * stride_s_p + offs_n[None, :],
+                state_ptr
+                + slot * stride_s_slot
+                + head * stride_s_h
+                + offs_p[:, None] * stride_s_p
+                + offs_n[None, :],
                 state.to(state_ptr.dtype.element_ty),
-            )  # fmt: skip
+            )
         seq_prev, seq, nb = seq, seq_next, nb_next
 
 
@@ -242,8 +257,12 @@ def _outputs(descs, bufs, bars, ptrs, scal, W: gl.constexpr):
     y_desc, y_s = ptrs[11], ptrs[12]
     num_chunks, head, H = scal[0], scal[1], scal[3]
     stride_y_t, stride_y_h, has_z, stride_z_t, stride_z_h = (
-        scal[8], scal[9], scal[10], scal[11], scal[12]
-    )  # fmt: skip
+        scal[8],
+        scal[9],
+        scal[10],
+        scal[11],
+        scal[12],
+    )
     mma_y: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, P, 16]
     )
@@ -269,10 +288,12 @@ def _outputs(descs, bufs, bars, ptrs, scal, W: gl.constexpr):
                 ref = gl.load(cum_base + m * BLOCK - 1, mask=m > 0, other=0.0)
                 mbarrier.wait(bars.index(FULL + s), (g // NS) & 1)
                 mbarrier.wait(bars.index(S_FULL + W), (g // 2) & 1)
-                cb = warpgroup_mma(c_s.index(s), b_s.index(s).permute((1, 0)), zeros,
-                                   use_acc=False, is_async=True)  # fmt: skip
-                acc = warpgroup_mma(c_s.index(s), s_s.index(W).permute((1, 0)), zeros,
-                                    use_acc=False, is_async=True)  # fmt: skip
+                cb = warpgroup_mma(
+                    c_s.index(s), b_s.index(s).permute((1, 0)), zeros, use_acc=False, is_async=True
+                )
+                acc = warpgroup_mma(
+                    c_s.index(s), s_s.index(W).permute((1, 0)), zeros, use_acc=False, is_async=True
+                )
                 # The diagonal tile's operand while the C.S dot runs.
                 cum_v = cum_s.index(s)
                 cum_i = cum_v.load(gl.SliceLayout(1, mma_y))
@@ -300,8 +321,9 @@ def _outputs(descs, bufs, bars, ptrs, scal, W: gl.constexpr):
                 if has_z != 0:
                     zg = gl.load(
                         z_ptr + rows[:, None] * stride_z_t + head * stride_z_h + offs_c[None, :],
-                        mask=mask, other=0.0,
-                    ).to(gl.float32)  # fmt: skip
+                        mask=mask,
+                        other=0.0,
+                    ).to(gl.float32)
                     acc *= zg / (1.0 + gl.exp(-zg))
                 if (m + 1) * BLOCK <= length:
                     tma.store_wait(0)
@@ -334,14 +356,37 @@ def _outputs_odd(descs, bufs, bars, ptrs, scal):
 
 @jit
 def _ssd_scan_hopper_kernel(
-    x_desc, b_desc, c_desc, cum_desc, dt_desc, y_desc,
-    z_ptr, D_ptr, y_ptr, cum_buf_ptr,
-    chunk_start_ptr, chunk_len_ptr, chunk_seq_ptr, seq_first_chunk_ptr, num_seqs,
-    state_slots_ptr, has_init_ptr, state_ptr,
-    H, G, has_z, stride_z_t, stride_z_h, stride_y_t, stride_y_h,
-    stride_s_slot, stride_s_h, stride_s_p,
-    P: gl.constexpr, N: gl.constexpr,
-):  # fmt: skip
+    x_desc,
+    b_desc,
+    c_desc,
+    cum_desc,
+    dt_desc,
+    y_desc,
+    z_ptr,
+    D_ptr,
+    y_ptr,
+    cum_buf_ptr,
+    chunk_start_ptr,
+    chunk_len_ptr,
+    chunk_seq_ptr,
+    seq_first_chunk_ptr,
+    num_seqs,
+    state_slots_ptr,
+    has_init_ptr,
+    state_ptr,
+    H,
+    G,
+    has_z,
+    stride_z_t,
+    stride_z_h,
+    stride_y_t,
+    stride_y_h,
+    stride_s_slot,
+    stride_s_h,
+    stride_s_p,
+    P: gl.constexpr,
+    N: gl.constexpr,
+):
     dtype: gl.constexpr = x_desc.dtype
     x_s = gl.allocate_shared_memory(dtype, [NS, BLOCK, P], x_desc.layout)
     b_s = gl.allocate_shared_memory(dtype, [NS, BLOCK, N], b_desc.layout)
@@ -366,10 +411,36 @@ def _ssd_scan_hopper_kernel(
     num_chunks = gl.load(seq_first_chunk_ptr + num_seqs)
     descs = (x_desc, b_desc, c_desc, cum_desc, dt_desc)
     bufs = (x_s, b_s, c_s, cum_s, dt_s, s_s)
-    ptrs = (chunk_start_ptr, chunk_len_ptr, chunk_seq_ptr, seq_first_chunk_ptr, cum_buf_ptr,
-            D_ptr, y_ptr, z_ptr, state_ptr, state_slots_ptr, has_init_ptr, y_desc, y_s)  # fmt: skip
-    scal = (num_chunks, head, group, H, G, stride_s_slot, stride_s_h, stride_s_p,
-            stride_y_t, stride_y_h, has_z, stride_z_t, stride_z_h)  # fmt: skip
+    ptrs = (
+        chunk_start_ptr,
+        chunk_len_ptr,
+        chunk_seq_ptr,
+        seq_first_chunk_ptr,
+        cum_buf_ptr,
+        D_ptr,
+        y_ptr,
+        z_ptr,
+        state_ptr,
+        state_slots_ptr,
+        has_init_ptr,
+        y_desc,
+        y_s,
+    )
+    scal = (
+        num_chunks,
+        head,
+        group,
+        H,
+        G,
+        stride_s_slot,
+        stride_s_h,
+        stride_s_p,
+        stride_y_t,
+        stride_y_h,
+        has_z,
+        stride_z_t,
+        stride_z_h,
+    )
     args = (descs, bufs, bars, ptrs, scal)
     gl.warp_specialize(
         [(_state, args), (_loader, args), (_outputs_even, args), (_outputs_odd, args)],
@@ -379,18 +450,30 @@ def _ssd_scan_hopper_kernel(
 
 
 def launch_hopper_scan(
-    x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, z: torch.Tensor | None,
-    D: torch.Tensor | None, y: torch.Tensor, layout: dict[str, torch.Tensor],
-    ssm_state: torch.Tensor, state_slots: torch.Tensor, has_initial_state: torch.Tensor,
-) -> None:  # fmt: skip
+    x: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    z: torch.Tensor | None,
+    D: torch.Tensor | None,
+    y: torch.Tensor,
+    layout: dict[str, torch.Tensor],
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+) -> None:
     """Launch the kernel after ssd_scan.py's metadata launch: one CTA per head.
     `layout` is ssd_scan._chunk_layout's."""
     T, H, P = x.shape
     G, N = B.shape[1:]
     bf16 = gl.bfloat16
     blk = BLOCK_TOKENS
-    x_desc = TensorDescriptor(x, [T, H * P], [x.stride(0), 1], [blk, P],
-                              gl.NVMMASharedLayout.get_default_for([blk, P], bf16))  # fmt: skip
+    x_desc = TensorDescriptor(
+        x,
+        [T, H * P],
+        [x.stride(0), 1],
+        [blk, P],
+        gl.NVMMASharedLayout.get_default_for([blk, P], bf16),
+    )
     bc_layout = gl.NVMMASharedLayout.get_default_for([blk, N], bf16)
     b_desc = TensorDescriptor(B, [T, G * N], [B.stride(0), 1], [blk, N], bc_layout)
     c_desc = TensorDescriptor(C, [T, G * N], [C.stride(0), 1], [blk, N], bc_layout)
@@ -409,12 +492,34 @@ def launch_hopper_scan(
     D = D if D is not None else torch.zeros(H, device=x.device)
     z_strides = z.stride()[:2] if z is not None else (0, 0)
     _ssd_scan_hopper_kernel[(H,)](
-        x_desc, b_desc, c_desc, cum_desc, dt_desc, y_desc,
-        z if z is not None else y, D, y, layout["cum"],
-        layout["chunk_start"], layout["chunk_len"], layout["chunk_seq"],
-        layout["seq_first_chunk"], state_slots.shape[0],
-        state_slots, has_initial_state.to(torch.int8), ssm_state,
-        H, G, int(z is not None), *z_strides, y.stride(0), y.stride(1),
-        ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
-        P=P, N=N, num_warps=4,
-    )  # fmt: skip
+        x_desc,
+        b_desc,
+        c_desc,
+        cum_desc,
+        dt_desc,
+        y_desc,
+        z if z is not None else y,
+        D,
+        y,
+        layout["cum"],
+        layout["chunk_start"],
+        layout["chunk_len"],
+        layout["chunk_seq"],
+        layout["seq_first_chunk"],
+        state_slots.shape[0],
+        state_slots,
+        has_initial_state.to(torch.int8),
+        ssm_state,
+        H,
+        G,
+        int(z is not None),
+        *z_strides,
+        y.stride(0),
+        y.stride(1),
+        ssm_state.stride(0),
+        ssm_state.stride(1),
+        ssm_state.stride(2),
+        P=P,
+        N=N,
+        num_warps=4,
+    )

@@ -108,23 +108,60 @@ def selective_state_update_ref(
 
 @lazy_jit
 def _state_update_kernel(
-    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr,
+    state_ptr,
+    x_ptr,
+    dt_ptr,
+    A_ptr,
+    B_ptr,
+    C_ptr,
+    D_ptr,
+    z_ptr,
+    dt_bias_ptr,
+    y_ptr,
     state_slots_ptr,
-    heads_per_group, P, N, dt_min, dt_max,
-    stride_s_slot, stride_s_h, stride_s_p, stride_s_n,
-    stride_x_b, stride_x_h, stride_x_p,
-    stride_dt_b, stride_dt_h, stride_dt_p,
-    stride_a_h, stride_a_p, stride_a_n,
-    stride_b_b, stride_b_g, stride_b_n,
-    stride_c_b, stride_c_g, stride_c_n,
-    stride_d_h, stride_d_p,
-    stride_z_b, stride_z_h, stride_z_p,
-    stride_bias_h, stride_bias_p,
-    stride_y_b, stride_y_h, stride_y_p,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    DT_SOFTPLUS: tl.constexpr, CLAMP_DT: tl.constexpr, TIED: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    heads_per_group,
+    P,
+    N,
+    dt_min,
+    dt_max,
+    stride_s_slot,
+    stride_s_h,
+    stride_s_p,
+    stride_s_n,
+    stride_x_b,
+    stride_x_h,
+    stride_x_p,
+    stride_dt_b,
+    stride_dt_h,
+    stride_dt_p,
+    stride_a_h,
+    stride_a_p,
+    stride_a_n,
+    stride_b_b,
+    stride_b_g,
+    stride_b_n,
+    stride_c_b,
+    stride_c_g,
+    stride_c_n,
+    stride_d_h,
+    stride_d_p,
+    stride_z_b,
+    stride_z_h,
+    stride_z_p,
+    stride_bias_h,
+    stride_bias_p,
+    stride_y_b,
+    stride_y_h,
+    stride_y_p,
+    HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr,
+    CLAMP_DT: tl.constexpr,
+    TIED: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid_p = tl.program_id(0)
     head = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)
@@ -138,12 +175,16 @@ def _state_update_kernel(
     mask_n = offs_n < N
     mask_pn = mask_p[:, None] & mask_n[None, :] & valid
     state_ptrs = (
-        state_ptr + slot * stride_s_slot + head * stride_s_h
-        + offs_p[:, None] * stride_s_p + offs_n[None, :] * stride_s_n
-    )  # fmt: skip
+        state_ptr
+        + slot * stride_s_slot
+        + head * stride_s_h
+        + offs_p[:, None] * stride_s_p
+        + offs_n[None, :] * stride_s_n
+    )
     state = tl.load(state_ptrs, mask=mask_pn, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + row * stride_x_b + head * stride_x_h + offs_p * stride_x_p,
-                mask=mask_p, other=0.0).to(tl.float32)  # fmt: skip
+    x = tl.load(
+        x_ptr + row * stride_x_b + head * stride_x_h + offs_p * stride_x_p, mask=mask_p, other=0.0
+    ).to(tl.float32)
 
     if TIED:
         # Mamba2: dt, A, D and dt_bias are per head (stride 0 over P and N): load and
@@ -152,11 +193,15 @@ def _state_update_kernel(
         if HAS_DT_BIAS:
             dt += tl.load(dt_bias_ptr + head * stride_bias_h).to(tl.float32)
     else:
-        dt = tl.load(dt_ptr + row * stride_dt_b + head * stride_dt_h + offs_p * stride_dt_p,
-                     mask=mask_p, other=0.0).to(tl.float32)  # fmt: skip
+        dt = tl.load(
+            dt_ptr + row * stride_dt_b + head * stride_dt_h + offs_p * stride_dt_p,
+            mask=mask_p,
+            other=0.0,
+        ).to(tl.float32)
         if HAS_DT_BIAS:
-            dt += tl.load(dt_bias_ptr + head * stride_bias_h + offs_p * stride_bias_p,
-                          mask=mask_p, other=0.0).to(tl.float32)  # fmt: skip
+            dt += tl.load(
+                dt_bias_ptr + head * stride_bias_h + offs_p * stride_bias_p, mask=mask_p, other=0.0
+            ).to(tl.float32)
     if DT_SOFTPLUS:
         dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
     if CLAMP_DT:
@@ -167,15 +212,19 @@ def _state_update_kernel(
         decay = tl.exp(dt * A)
         dtx = dt * x
     else:
-        A = tl.load(A_ptr + head * stride_a_h + offs_p[:, None] * stride_a_p
-                    + offs_n[None, :] * stride_a_n,
-                    mask=mask_p[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        A = tl.load(
+            A_ptr + head * stride_a_h + offs_p[:, None] * stride_a_p + offs_n[None, :] * stride_a_n,
+            mask=mask_p[:, None] & mask_n[None, :],
+            other=0.0,
+        ).to(tl.float32)
         decay = tl.exp(dt[:, None] * A)
         dtx = dt * x
-    b = tl.load(B_ptr + row * stride_b_b + group * stride_b_g + offs_n * stride_b_n,
-                mask=mask_n, other=0.0).to(tl.float32)  # fmt: skip
-    c = tl.load(C_ptr + row * stride_c_b + group * stride_c_g + offs_n * stride_c_n,
-                mask=mask_n, other=0.0).to(tl.float32)  # fmt: skip
+    b = tl.load(
+        B_ptr + row * stride_b_b + group * stride_b_g + offs_n * stride_b_n, mask=mask_n, other=0.0
+    ).to(tl.float32)
+    c = tl.load(
+        C_ptr + row * stride_c_b + group * stride_c_g + offs_n * stride_c_n, mask=mask_n, other=0.0
+    ).to(tl.float32)
 
     state = state * decay + dtx[:, None] * b[None, :]
     tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask_pn)
@@ -185,15 +234,25 @@ def _state_update_kernel(
         if TIED:
             y += tl.load(D_ptr + head * stride_d_h).to(tl.float32) * x
         else:
-            y += tl.load(D_ptr + head * stride_d_h + offs_p * stride_d_p,
-                         mask=mask_p, other=0.0).to(tl.float32) * x  # fmt: skip
+            y += (
+                tl.load(D_ptr + head * stride_d_h + offs_p * stride_d_p, mask=mask_p, other=0.0).to(
+                    tl.float32
+                )
+                * x
+            )
     if HAS_Z:
-        z = tl.load(z_ptr + row * stride_z_b + head * stride_z_h + offs_p * stride_z_p,
-                    mask=mask_p, other=0.0).to(tl.float32)  # fmt: skip
+        z = tl.load(
+            z_ptr + row * stride_z_b + head * stride_z_h + offs_p * stride_z_p,
+            mask=mask_p,
+            other=0.0,
+        ).to(tl.float32)
         y *= z / (1.0 + tl.exp(-z))
     y = tl.where(valid, y, 0.0)
-    tl.store(y_ptr + row * stride_y_b + head * stride_y_h + offs_p * stride_y_p,
-             y.to(y_ptr.dtype.element_ty), mask=mask_p)  # fmt: skip
+    tl.store(
+        y_ptr + row * stride_y_b + head * stride_y_h + offs_p * stride_y_p,
+        y.to(y_ptr.dtype.element_ty),
+        mask=mask_p,
+    )
 
 
 def _launch_config(P: int, block_n: int) -> dict[str, int]:
@@ -232,9 +291,12 @@ def selective_state_update_triton(
     if Bt == 0:
         return y
     tied = (
-        dt.stride(2) == 0 and A.stride(1) == 0 and A.stride(2) == 0
-        and _tied_over_p(D, (1,)) and _tied_over_p(dt_bias, (1,))
-    )  # fmt: skip
+        dt.stride(2) == 0
+        and A.stride(1) == 0
+        and A.stride(2) == 0
+        and _tied_over_p(D, (1,))
+        and _tied_over_p(dt_bias, (1,))
+    )
     block_n = next_pow2(N)
     cfg = _launch_config(P, block_n)
     block_p = cfg["block_p"]
@@ -242,15 +304,40 @@ def selective_state_update_triton(
     zeros3 = (0, 0, 0)
     grid = (triton.cdiv(P, block_p), H, Bt)
     _state_update_kernel[grid](
-        ssm_state, x, dt, A, B, C, D, z, dt_bias, y, state_slots,
-        H // G, P, N, float(lo), float(hi),
-        *ssm_state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
+        ssm_state,
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        z,
+        dt_bias,
+        y,
+        state_slots,
+        H // G,
+        P,
+        N,
+        float(lo),
+        float(hi),
+        *ssm_state.stride(),
+        *x.stride(),
+        *dt.stride(),
+        *A.stride(),
+        *B.stride(),
+        *C.stride(),
         *(D.stride() if D is not None else (0, 0)),
         *(z.stride() if z is not None else zeros3),
         *(dt_bias.stride() if dt_bias is not None else (0, 0)),
         *y.stride(),
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None,
-        DT_SOFTPLUS=dt_softplus, CLAMP_DT=lo > 0.0 or hi < math.inf, TIED=tied,
-        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=cfg["num_warps"],
-    )  # fmt: skip
+        HAS_D=D is not None,
+        HAS_Z=z is not None,
+        HAS_DT_BIAS=dt_bias is not None,
+        DT_SOFTPLUS=dt_softplus,
+        CLAMP_DT=lo > 0.0 or hi < math.inf,
+        TIED=tied,
+        BLOCK_P=block_p,
+        BLOCK_N=block_n,
+        num_warps=cfg["num_warps"],
+    )
     return y

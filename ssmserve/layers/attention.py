@@ -50,8 +50,9 @@ class Attention(nn.Module):
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * block_size * self.num_kv_heads * self.head_dim * elem
 
-    def allocate_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> None:
+    def allocate_cache(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)

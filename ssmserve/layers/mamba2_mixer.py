@@ -65,14 +65,19 @@ class Mamba2Mixer(nn.Module):
         ssm = self.num_heads * self.head_dim * self.state_size
         return conv + ssm * torch.empty((), dtype=state_dtype).element_size()
 
-    def allocate_cache(self, num_slots: int, dtype: torch.dtype, state_dtype: torch.dtype,
-                       device: torch.device) -> None:
+    def allocate_cache(
+        self, num_slots: int, dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.conv_state = torch.zeros(
             num_slots, self.conv_dim, self.conv_kernel - 1, dtype=dtype, device=device
         )
         self.ssm_state = torch.zeros(
-            num_slots, self.num_heads, self.head_dim, self.state_size,
-            dtype=state_dtype, device=device,
+            num_slots,
+            self.num_heads,
+            self.head_dim,
+            self.state_size,
+            dtype=state_dtype,
+            device=device,
         )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -86,8 +91,12 @@ class Mamba2Mixer(nn.Module):
         if nd > 0:
             slots = batch.state_slots[:nd]
             xbc_d = self.ops.causal_conv1d_update(
-                xbc[:nd], self.conv_state, conv_weight, self.conv1d.bias,
-                state_slots=slots, activation="silu",
+                xbc[:nd],
+                self.conv_state,
+                conv_weight,
+                self.conv1d.bias,
+                state_slots=slots,
+                activation="silu",
             )
             xs, B, C = xbc_d.split([I, G * N, G * N], dim=-1)
             outs.append(
@@ -111,8 +120,14 @@ class Mamba2Mixer(nn.Module):
             has_init = batch.has_initial_state[nd:]
             cu = batch.query_start_loc_p
             xbc_p = self.ops.causal_conv1d_varlen(
-                xbc[nd:], conv_weight, self.conv1d.bias, conv_state=self.conv_state,
-                cu_seqlens=cu, state_slots=slots, has_initial_state=has_init, activation="silu",
+                xbc[nd:],
+                conv_weight,
+                self.conv1d.bias,
+                conv_state=self.conv_state,
+                cu_seqlens=cu,
+                state_slots=slots,
+                has_initial_state=has_init,
+                activation="silu",
             )
             xs, B, C = xbc_p.split([I, G * N, G * N], dim=-1)
             outs.append(

@@ -34,7 +34,10 @@ class MambaMixer(nn.Module):
         self.bcdt_rms_eps = bcdt_rms_eps  # FalconMamba: normalise B, C, dt
         self.in_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=use_bias)
         self.conv1d = nn.Conv1d(
-            intermediate_size, intermediate_size, conv_kernel, groups=intermediate_size,
+            intermediate_size,
+            intermediate_size,
+            conv_kernel,
+            groups=intermediate_size,
             bias=use_conv_bias,
         )
         self.x_proj = nn.Linear(intermediate_size, time_step_rank + 2 * state_size, bias=False)
@@ -49,11 +52,14 @@ class MambaMixer(nn.Module):
     def cache_bytes_per_slot(self, dtype: torch.dtype, state_dtype: torch.dtype) -> int:
         conv = self.intermediate_size * (self.conv_kernel - 1)
         ssm = self.intermediate_size * self.state_size
-        return (conv * torch.empty((), dtype=dtype).element_size()
-                + ssm * torch.empty((), dtype=state_dtype).element_size())
+        return (
+            conv * torch.empty((), dtype=dtype).element_size()
+            + ssm * torch.empty((), dtype=state_dtype).element_size()
+        )
 
-    def allocate_cache(self, num_slots: int, dtype: torch.dtype, state_dtype: torch.dtype,
-                       device: torch.device) -> None:
+    def allocate_cache(
+        self, num_slots: int, dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.conv_state = torch.zeros(
             num_slots, self.intermediate_size, self.conv_kernel - 1, dtype=dtype, device=device
         )
@@ -72,8 +78,12 @@ class MambaMixer(nn.Module):
         if nd > 0:
             slots = batch.state_slots[:nd]
             u = self.ops.causal_conv1d_update(
-                xs[:nd], self.conv_state, conv_weight, self.conv1d.bias,
-                state_slots=slots, activation="silu",
+                xs[:nd],
+                self.conv_state,
+                conv_weight,
+                self.conv1d.bias,
+                state_slots=slots,
+                activation="silu",
             )
             dt, B, C = self._ssm_inputs(u)
             y = self.ops.selective_state_update(
@@ -95,15 +105,30 @@ class MambaMixer(nn.Module):
             has_init = batch.has_initial_state[nd:]
             cu = batch.query_start_loc_p
             u = self.ops.causal_conv1d_varlen(
-                xs[nd:], conv_weight, self.conv1d.bias, conv_state=self.conv_state,
-                cu_seqlens=cu, state_slots=slots, has_initial_state=has_init, activation="silu",
+                xs[nd:],
+                conv_weight,
+                self.conv1d.bias,
+                conv_state=self.conv_state,
+                cu_seqlens=cu,
+                state_slots=slots,
+                has_initial_state=has_init,
+                activation="silu",
             )
             dt, B, C = self._ssm_inputs(u)
             pieces.append(
                 self.ops.selective_scan_varlen(
-                    u, dt, A, B, C, self.D,
-                    cu_seqlens=cu, ssm_state=self.ssm_state, state_slots=slots,
-                    has_initial_state=has_init, z=z[nd:], delta_bias=dt_bias,
+                    u,
+                    dt,
+                    A,
+                    B,
+                    C,
+                    self.D,
+                    cu_seqlens=cu,
+                    ssm_state=self.ssm_state,
+                    state_slots=slots,
+                    has_initial_state=has_init,
+                    z=z[nd:],
+                    delta_bias=dt_bias,
                     delta_softplus=True,
                 )
             )
@@ -112,8 +137,9 @@ class MambaMixer(nn.Module):
 
     def _ssm_inputs(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """dt (before bias and softplus), B, C for each token: [T, Dm], [T, N], [T, N]."""
-        dt, B, C = self.x_proj(u).split([self.time_step_rank, self.state_size,
-                                         self.state_size], dim=-1)
+        dt, B, C = self.x_proj(u).split(
+            [self.time_step_rank, self.state_size, self.state_size], dim=-1
+        )
         if self.bcdt_rms_eps is not None:
             dt = rms_normalize(dt, self.bcdt_rms_eps)
             B = rms_normalize(B, self.bcdt_rms_eps)

@@ -8,8 +8,9 @@ from transformers.activations import ACT2FN
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu",
-                 bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False
+    ) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)

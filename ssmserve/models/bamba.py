@@ -44,8 +44,12 @@ class BambaDecoderLayer(nn.Module):
                 use_conv_bias=cfg.mamba_conv_bias,
             )
         self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.feed_forward = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act,
-                                     bias=getattr(cfg, "mlp_bias", False))
+        self.feed_forward = GatedMLP(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.hidden_act,
+            bias=getattr(cfg, "mlp_bias", False),
+        )
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         mixer = self.self_attn if self.kind == "attention" else self.mamba

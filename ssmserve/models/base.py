@@ -61,9 +61,16 @@ class CausalLM(nn.Module):
     def cache_bytes_per_slot(self, dtype: torch.dtype, state_dtype: torch.dtype) -> int:
         return sum(m.cache_bytes_per_slot(dtype, state_dtype) for m in self.ssm_layers())
 
-    def allocate_caches(self, *, num_kv_blocks: int, block_size: int, num_state_slots: int,
-                        dtype: torch.dtype, state_dtype: torch.dtype,
-                        device: torch.device) -> None:
+    def allocate_caches(
+        self,
+        *,
+        num_kv_blocks: int,
+        block_size: int,
+        num_state_slots: int,
+        dtype: torch.dtype,
+        state_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         for attn in self.attention_layers():
             attn.allocate_cache(num_kv_blocks, block_size, dtype, device)
         for mixer in self.ssm_layers():

@@ -20,8 +20,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, ops, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act,
-                            bias=getattr(cfg, "mlp_bias", False))
+        self.mlp = GatedMLP(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.hidden_act,
+            bias=getattr(cfg, "mlp_bias", False),
+        )
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch)

@@ -45,8 +45,9 @@ def assert_rel_close(actual, expected, tol, msg):
 def compare(inp, lengths, slots, init, tol=5e-3):
     """The kernel against the float32 twin; slots of no sequence stay untouched."""
     before = inp["ssm_state"].clone()
-    ref = {k: (v.float() if k in ("x", "B", "C", "z") and v is not None else v)
-           for k, v in inp.items()}  # fmt: skip
+    ref = {
+        k: (v.float() if k in ("x", "B", "C", "z") and v is not None else v) for k, v in inp.items()
+    }
     ref["ssm_state"] = before.clone()
     y_ref = run(ssd_scan_varlen_ref, ref, lengths, slots, init)
     y = run(ssd_scan_varlen_triton, inp, lengths, slots, init)
@@ -75,8 +76,18 @@ def launches(monkeypatch):
 @pytest.mark.parametrize("G,N", [(1, 128), (2, 64)])
 @pytest.mark.parametrize("with_dz", [True, False])
 def test_matches_twin(launches, G, N, with_dz):
-    inp = make_inputs(LENGTHS, 8, 64, G, N, num_slots=6, dtype=torch.bfloat16, seed=11,
-                      with_dz=with_dz, packed_xbc=True)  # fmt: skip
+    inp = make_inputs(
+        LENGTHS,
+        8,
+        64,
+        G,
+        N,
+        num_slots=6,
+        dtype=torch.bfloat16,
+        seed=11,
+        with_dz=with_dz,
+        packed_xbc=True,
+    )
     compare(inp, LENGTHS, SLOTS, INIT)
     assert launches, "the Gluon kernel was not used"
 
@@ -84,8 +95,18 @@ def test_matches_twin(launches, G, N, with_dz):
 def test_repeated_runs_are_identical(launches):
     """The partitions hand shared memory over through mbarriers; a missing fence there made
     some runs differ (the fifth session), so runs must agree bit for bit."""
-    inp = make_inputs(LENGTHS, 8, 64, 1, 128, num_slots=6, dtype=torch.bfloat16, seed=11,
-                      with_dz=True, packed_xbc=True)  # fmt: skip
+    inp = make_inputs(
+        LENGTHS,
+        8,
+        64,
+        1,
+        128,
+        num_slots=6,
+        dtype=torch.bfloat16,
+        seed=11,
+        with_dz=True,
+        packed_xbc=True,
+    )
     pool = inp["ssm_state"].clone()
     outs = []
     for _ in range(8):
@@ -124,8 +145,14 @@ def test_resumed_mid_chunk_equals_whole(launches, split):
     first = {k: (v[:split] if k in SEQ_FIELDS else v) for k, v in inp.items()}
     second = {k: (v[split:] if k in SEQ_FIELDS else v) for k, v in inp.items()}
     y1 = run(ssd_scan_varlen_triton, first, [split], [3], [False])
-    y2 = run(ssd_scan_varlen_triton, second, [L - split], [3], [True],
-             start_positions=torch.tensor([split], device=DEVICE))  # fmt: skip
+    y2 = run(
+        ssd_scan_varlen_triton,
+        second,
+        [L - split],
+        [3],
+        [True],
+        start_positions=torch.tensor([split], device=DEVICE),
+    )
     assert len(launches) == 3
     assert_rel_close(torch.cat([y1, y2]), y_whole, 2e-3, "y")
     assert_rel_close(inp["ssm_state"][3], state_whole, 2e-3, "state")

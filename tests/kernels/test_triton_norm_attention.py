@@ -64,9 +64,14 @@ def attention_case(H, KVH, Dh, dtype, block_size=4, decode_ctx=DECODE_CTX, prefi
 # GQA factors 1, 2, 4, 8 and MQA with 6 heads; head dims below 16 and not powers of two
 @pytest.mark.parametrize(
     "H,KVH,Dh,dtype",
-    [(3, 3, 8, torch.float32), (4, 2, 12, torch.bfloat16), (8, 2, 8, torch.bfloat16),
-     (16, 2, 20, torch.float32), (6, 1, 12, torch.bfloat16)],
-)  # fmt: skip
+    [
+        (3, 3, 8, torch.float32),
+        (4, 2, 12, torch.bfloat16),
+        (8, 2, 8, torch.bfloat16),
+        (16, 2, 20, torch.float32),
+        (6, 1, 12, torch.bfloat16),
+    ],
+)
 @pytest.mark.parametrize("sliding_window", [None, 6])
 def test_paged_attention_mixed_batch_matches_twin(H, KVH, Dh, dtype, sliding_window):
     (q, kc, vc), kw = attention_case(H, KVH, Dh, dtype)
@@ -81,14 +86,14 @@ def test_paged_attention_mixed_batch_matches_twin(H, KVH, Dh, dtype, sliding_win
 @pytest.mark.filterwarnings("error::RuntimeWarning")
 @pytest.mark.parametrize("num_splits,block_n", [(1, 16), (3, 16), (8, 64)])
 @pytest.mark.parametrize("sliding_window", [None, 21])
-def test_paged_attention_decode_splits_match_twin(monkeypatch, num_splits, block_n,
-                                                  sliding_window):  # fmt: skip
+def test_paged_attention_decode_splits_match_twin(monkeypatch, num_splits, block_n, sliding_window):
     # ragged contexts at the engine's block size; 100 tokens is 7 tiles of 16, so with 3
     # splits of 3 tiles the last split is short, and 1-token contexts leave splits empty
     cfg = dict(block_m=16, block_n=block_n, num_splits=num_splits, num_warps=4, num_stages=2)
     monkeypatch.setattr(attn_mod, "_decode_config", lambda *args: cfg)
-    (q, kc, vc), kw = attention_case(8, 2, 8, torch.float32, block_size=16,
-                                     decode_ctx=[0, 15, 16, 99, 63], prefills=False)  # fmt: skip
+    (q, kc, vc), kw = attention_case(
+        8, 2, 8, torch.float32, block_size=16, decode_ctx=[0, 15, 16, 99, 63], prefills=False
+    )
     kw["sliding_window"] = sliding_window
     # Freed memory full of inf, which the split partials' scratch may reuse: a merge that
     # read scratch the kernel never wrote would raise (inf * 0) in the interpreter.
@@ -101,8 +106,7 @@ def test_paged_attention_decode_splits_match_twin(monkeypatch, num_splits, block
 def test_decode_padding_rows_touch_nothing():
     # The shape of a CUDA-graph decode batch padded from 3 to 6 rows: padding rows have
     # one query, seq_len 1, KV slot -1 and a block-table row of zeros or stale blocks.
-    (q, kc, vc), kw = attention_case(4, 2, 8, torch.bfloat16, decode_ctx=[4, 0, 30],
-                                     prefills=False)  # fmt: skip
+    (q, kc, vc), kw = attention_case(4, 2, 8, torch.bfloat16, decode_ctx=[4, 0, 30], prefills=False)
     n, size = 3, 6
     gen = seeded(7)
     q_pad = torch.cat([q, randn(size - n, 4, 8, gen=gen, dtype=q.dtype).to(DEVICE)])
@@ -112,10 +116,11 @@ def test_decode_padding_rows_touch_nothing():
     padded = dict(
         block_tables=tables,
         query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.cat([kw["seq_lens"], torch.ones(size - n, dtype=torch.int32,
-                                                       device=DEVICE)]),
+        seq_lens=torch.cat(
+            [kw["seq_lens"], torch.ones(size - n, dtype=torch.int32, device=DEVICE)]
+        ),
         scale=kw["scale"],
-    )  # fmt: skip
+    )
     k_new = randn(size, 2, 8, gen=gen, dtype=q.dtype).to(DEVICE)
     slots = torch.full((size,), -1, dtype=torch.long, device=DEVICE)
     kc_before, vc_before = kc.clone(), vc.clone()

@@ -151,8 +151,15 @@ def test_resumed_mid_chunk_equals_whole(split):
     first = {k: (v[:split] if k in SEQ_FIELDS else v) for k, v in inp.items()}
     second = {k: (v[split:] if k in SEQ_FIELDS else v) for k, v in inp.items()}
     y1 = run(ssd_scan_varlen_triton, first, [split], [3], [False], chunk_size=16)
-    y2 = run(ssd_scan_varlen_triton, second, [L - split], [3], [True], chunk_size=16,
-             start_positions=torch.tensor([split], device=DEVICE))  # fmt: skip
+    y2 = run(
+        ssd_scan_varlen_triton,
+        second,
+        [L - split],
+        [3],
+        [True],
+        chunk_size=16,
+        start_positions=torch.tensor([split], device=DEVICE),
+    )
     assert_close(torch.cat([y1, y2]), y_whole)
     assert_close(inp["ssm_state"][3], state_whole)
 
@@ -162,8 +169,9 @@ def test_start_positions_match_twin():
     lengths, slots, positions = [7, 37, 0, 1, 30], [2, 0, 4, 1, 3], [5, 16, 3, 31, 40]
     inp = make_inputs(lengths, 3, 5, 1, 6, num_slots=5, seed=8)
     start = torch.tensor(positions, device=DEVICE)
-    compare(inp, lengths, slots, [True, False, True, True, False], chunk_size=16,
-            start_positions=start)  # fmt: skip
+    compare(
+        inp, lengths, slots, [True, False, True, True, False], chunk_size=16, start_positions=start
+    )
 
 
 def test_chunks_align_to_absolute_positions():
@@ -174,9 +182,15 @@ def test_chunks_align_to_absolute_positions():
     T, H = sum(lengths), 2
     cu = cu_seqlens_of(lengths).to(DEVICE)
     layout = ssd_scan._chunk_layout(
-        torch.zeros(T, H, device=DEVICE), -torch.ones(H, device=DEVICE), None, cu,
-        torch.tensor(positions, device=DEVICE), chunk, True, (0.0, float("inf")),
-    )  # fmt: skip
+        torch.zeros(T, H, device=DEVICE),
+        -torch.ones(H, device=DEVICE),
+        None,
+        cu,
+        torch.tensor(positions, device=DEVICE),
+        chunk,
+        True,
+        (0.0, float("inf")),
+    )
     first = layout["seq_first_chunk"].tolist()
     starts, lens = layout["chunk_start"].tolist(), layout["chunk_len"].tolist()
     owners = layout["chunk_seq"].tolist()
@@ -190,4 +204,4 @@ def test_chunks_align_to_absolute_positions():
         assert all(0 < lens[i] <= chunk for i in ids) or length == 0
         assert sum(lens[i] for i in ids) == length
         assert all(starts[i] + lens[i] == starts[j] for i, j in zip(ids, ids[1:]))
-    assert all(o == -1 for o in owners[first[-1]:]), "ids past the real chunks own nothing"
+    assert all(o == -1 for o in owners[first[-1] :]), "ids past the real chunks own nothing"

@@ -42,10 +42,15 @@ def compare(pool, args, slots, **kw):
 
 
 @pytest.mark.parametrize("H,P,G,N", [(3, 5, 1, 6), (4, 16, 2, 16)])
-@pytest.mark.parametrize("dtype,state_dtype", [
-    (torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-    (torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype,state_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+)
 def test_mamba2_layout_matches_twin(H, P, G, N, dtype, state_dtype):
     pool, args = mamba2_args(4, H, P, G, N, dtype, state_dtype)
     pool_before = pool.clone()

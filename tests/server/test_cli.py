@@ -93,8 +93,7 @@ def test_readme_client_example_runs_as_written(served_process):
     assert example.count("http://localhost:8000/v1") == 1
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(example.replace("http://localhost:8000", base_url), str(readme), "exec"),
-             {})
+        exec(compile(example.replace("http://localhost:8000", base_url), str(readme), "exec"), {})
     assert out.getvalue().strip(), "the README example printed nothing"
 
 

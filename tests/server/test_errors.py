@@ -95,15 +95,22 @@ def test_prompt_plus_max_tokens_over_the_context_is_400(server, engine):
     assert len(ids) == MAX_MODEL_LEN - 10
     for path, body in [
         ("/v1/completions", {"prompt": ids, "max_tokens": 50}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x = 1\n" * 60}],
-                                  "max_completion_tokens": MAX_MODEL_LEN}),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x = 1\n" * 60}],
+                "max_completion_tokens": MAX_MODEL_LEN,
+            },
+        ),
     ]:
         r = httpx.post(server.base_url + path, json={"model": MODEL_NAME, **body})
         message = _assert_error(r, 400, "max_tokens")
         assert f"maximum context length is {MAX_MODEL_LEN} tokens" in message, message
     # Within the context, the same prompt runs.
-    r = httpx.post(server.base_url + "/v1/completions",
-                   json={"model": MODEL_NAME, "prompt": ids, "max_tokens": 5})
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        json={"model": MODEL_NAME, "prompt": ids, "max_tokens": 5},
+    )
     assert r.status_code == 200, r.text
 
 
