@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from ssmserve import LLM, SamplingParams
 from ssmserve.config import EngineConfig
@@ -121,8 +120,11 @@ def test_fewer_state_slots_than_requests(checkpoint, references, family):
 
 def test_memory_planner_lowers_max_num_seqs_instead_of_failing(checkpoint, caplog):
     path = checkpoint("mamba2")
-    probe = make_llm(path)
-    per_slot = probe.llm_engine.model.cache_bytes_per_slot(torch.float32, torch.float32)
+    cfg = make_llm(path).llm_engine.model_config.hf_config
+    # float32 conv state [conv_dim, d_conv - 1] + SSM state [heads, head_dim, d_state] per layer
+    conv_dim = cfg.num_heads * cfg.head_dim + 2 * cfg.n_groups * cfg.state_size
+    per_layer = conv_dim * (cfg.conv_kernel - 1) + cfg.num_heads * cfg.head_dim * cfg.state_size
+    per_slot = 4 * per_layer * cfg.num_hidden_layers
     llm = make_llm(path, max_num_seqs=64, cache_memory=per_slot * 5 + 10)
     stats = llm.stats()
     assert stats["state_slots_total"] == 5

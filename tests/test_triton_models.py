@@ -29,7 +29,7 @@ def test_triton_backend_matches_torch_backend(checkpoint, variant):
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
     ref = LLM(path, device="cpu", kernel_backend="torch").generate(prompts, params)
     llm = LLM(path, device="cpu", kernel_backend="triton", max_num_batched_tokens=5)
-    assert llm.llm_engine.model.attention_layers() or llm.llm_engine.model.ssm_layers()
+    assert llm.llm_engine.executor.runner.cache_specs
     got = llm.generate(prompts, params)
     for a, b in zip(ref, got):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,12 +19,16 @@ from ssmserve.config import (
     resolve_model_path,
     resolve_torch_dtype,
 )
+from ssmserve.distributed.executor import (
+    LocalExecutor,
+    TensorParallelExecutor,
+    run_worker,
+    torchrun_rank,
+)
+from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.engine.detokenizer import IncrementalDetokenizer, find_stop
-from ssmserve.engine.model_runner import ModelRunner
+from ssmserve.engine.model_runner import ModelRunner, order_chunks, step_inputs
 from ssmserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
-from ssmserve.kernels import get_ops
-from ssmserve.loader import init_dummy_weights, load_weights
-from ssmserve.models.registry import model_class
 from ssmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ssmserve.sampling_params import SamplingParams
 from ssmserve.scheduler import Request, RequestStatus, ScheduledChunk, Scheduler
@@ -71,13 +76,37 @@ class _Group:
 
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
             "device 'cuda' was asked for but no CUDA GPU is visible; use --device cpu"
         )
+    if dev.type == "cuda" and dev.index is None and torchrun_rank() is not None:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return dev
+
+
+def _make_executor(
+    config: EngineConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype
+):
+    """The engine process's executor; under torchrun, ranks other than 0 become workers
+    here and exit when rank 0 shuts down."""
+    size = config.tensor_parallel_size
+    rank = torchrun_rank()
+    if rank is not None:
+        world = int(os.environ["WORLD_SIZE"])
+        if world != size:
+            raise ValueError(
+                f"torchrun started {world} processes but tensor_parallel_size is {size}; "
+                "pass --tensor-parallel-size equal to torchrun's --nproc-per-node x --nnodes"
+            )
+        if rank != 0:
+            run_worker(rank, size, "env://", config, model_config, device, dtype)
+            raise SystemExit(0)
+    if size == 1:
+        return LocalExecutor(ModelRunner(config, model_config, device, dtype, TensorParallel()))
+    return TensorParallelExecutor(config, model_config, device, dtype)
 
 
 class LLMEngine:
@@ -103,16 +132,12 @@ class LLMEngine:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
-        self.model = self._build_model(path)
-        self._setup_caches()
-        self.runner = ModelRunner(self.model, self.device, config.block_size)
-        if self.device.type == "cuda" and not config.enforce_eager:
-            if self.kernel_ops.backend != "triton":
-                logger.info("CUDA graphs need the Triton kernels; running eager")
-            else:
-                self.runner.enable_cuda_graphs(
-                    self.scheduler.max_num_seqs, self.scheduler.max_tokens_per_request
-                )
+        self.executor = _make_executor(config, self.model_config, self.device, self.dtype)
+        try:
+            self._setup_caches()
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.sampler = Sampler()
         self._groups: dict[str, _Group] = {}
         self._owner: dict[str, tuple[_Group, _Sample]] = {}
@@ -122,35 +147,23 @@ class LLMEngine:
 
     # -- construction ---------------------------------------------------------------
 
-    def _build_model(self, path: str):
-        cls = model_class(self.model_config.architecture)
-        ops = self.kernel_ops = get_ops(self.config.kernel_backend, self.device)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model = cls(self.model_config.hf_config, ops)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if self.config.load_format == "dummy":
-            init_dummy_weights(model, self.config.seed)
-        else:
-            load_weights(model, path)
-        return model.eval()
-
     def _setup_caches(self) -> None:
         cfg = self.config
-        state_dtype = (
-            self.dtype
-            if cfg.mamba_ssm_cache_dtype == "auto"
-            else getattr(torch, cfg.mamba_ssm_cache_dtype)
-        )
-        per_block = self.model.cache_bytes_per_block(cfg.block_size, self.dtype)
-        per_slot = self.model.cache_bytes_per_slot(self.dtype, state_dtype)
+        per_block, per_slot = self.executor.call("cache_bytes")
         self.max_num_batched_tokens = cfg.max_num_batched_tokens or (
             8192 if self.device.type == "cuda" else 2048
         )
-        budget = self._cache_budget(per_block, per_slot)
+        if cfg.cache_memory is not None:
+            budget = cfg.cache_memory
+        elif self.device.type == "cuda":
+            budget = self.executor.call("gpu_cache_budget", self.max_num_batched_tokens)
+            if budget <= 0:
+                raise RuntimeError(
+                    "no GPU memory left for the caches after the weights and activations; "
+                    "raise --gpu-memory-utilization or lower --max-num-batched-tokens"
+                )
+        else:
+            budget = DEFAULT_CPU_CACHE_BYTES
         plan = plan_cache(
             budget_bytes=budget,
             bytes_per_block=per_block,
@@ -161,14 +174,7 @@ class LLMEngine:
             num_kv_blocks=cfg.num_kv_blocks,
         )
         self.cache_plan = plan
-        self.model.allocate_caches(
-            num_kv_blocks=plan.num_kv_blocks,
-            block_size=cfg.block_size,
-            num_state_slots=plan.num_state_slots,
-            dtype=self.dtype,
-            state_dtype=state_dtype,
-            device=self.device,
-        )
+        self.executor.call("setup", plan, self.max_num_batched_tokens)
         self.block_pool = BlockPool(plan.num_kv_blocks, cfg.block_size) if per_block else None
         self.state_pool = StatePool(plan.num_state_slots) if per_slot else None
         self.scheduler = Scheduler(
@@ -183,39 +189,13 @@ class LLMEngine:
             plan.num_kv_blocks,
             cfg.block_size,
             plan.num_state_slots,
-            state_dtype,
+            cfg.mamba_ssm_cache_dtype,
             plan.max_num_seqs,
         )
 
-    def _cache_budget(self, per_block: int, per_slot: int) -> int:
-        """Bytes for KV blocks and state slots. On CUDA: what gpu_memory_utilization leaves
-        after the weights and the measured activation peak of a full-budget forward."""
-        if self.config.cache_memory is not None:
-            return self.config.cache_memory
-        if self.device.type != "cuda":
-            return DEFAULT_CPU_CACHE_BYTES
-        from ssmserve.engine.memory import profile_activation_peak
-
-        peak = profile_activation_peak(
-            self.model, self.device, self.max_num_batched_tokens, self.config.block_size, self.dtype
-        )
-        _, total = torch.cuda.mem_get_info(self.device)
-        in_use = torch.cuda.memory_allocated(self.device)
-        budget = int(total * self.config.gpu_memory_utilization) - in_use - peak
-        logger.info(
-            "GPU memory: %.1f GiB total, %.2f GiB weights, %.2f GiB activation peak, "
-            "%.2f GiB for caches",
-            total / 2**30,
-            in_use / 2**30,
-            peak / 2**30,
-            budget / 2**30,
-        )
-        if budget <= 0:
-            raise RuntimeError(
-                "no GPU memory left for the caches after the weights and activations; raise "
-                "--gpu-memory-utilization or lower --max-num-batched-tokens"
-            )
-        return budget
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers and free the caches; the engine is unusable after."""
+        self.executor.shutdown()
 
     # -- requests ---------------------------------------------------------------------
 
@@ -338,7 +318,7 @@ class LLMEngine:
                 )
             return []
         now = time.time()
-        chunks = self.runner.order_chunks(plan.chunks)
+        chunks = order_chunks(plan.chunks)
         rows: list[int] = []
         sample_chunks: list[tuple[ScheduledChunk, int]] = []
         prompt_spans: list[tuple[_Group, int, int, int]] = []  # group, first pos, count, row
@@ -358,8 +338,8 @@ class LLMEngine:
                 sample_chunks.append((chunk, len(rows)))
                 rows.append(offset + chunk.num_new_tokens - 1)
             offset += chunk.num_new_tokens
-        batch = self.runner.prepare(chunks, rows)
-        logits = self.runner.execute(batch)
+        inputs = step_inputs(chunks, rows, self.config.block_size)
+        logits = self.executor.execute(inputs.pack())
 
         sampled: dict[str, int] = {}
         sampler_out = None
