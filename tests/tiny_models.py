@@ -166,7 +166,9 @@ def make_tiny_checkpoint(path: str, family: str = "bamba", seed: int = 0, **over
     os.makedirs(path, exist_ok=True)
     tokenizer = make_tokenizer(path)
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = _hf_config(family, len(tokenizer), eos, **overrides)
+    # A vocab_size override may exceed the tokenizer (ids it never produces are unused rows).
+    vocab = overrides.pop("vocab_size", len(tokenizer))
+    config = _hf_config(family, vocab, eos, **overrides)
     arch = {
         "bamba": tf.BambaForCausalLM,
         "mamba2": tf.Mamba2ForCausalLM,

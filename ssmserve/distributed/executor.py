@@ -14,13 +14,15 @@ dies exits by itself.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
-import multiprocessing as mp
 import os
+import pickle
 import socket
+import subprocess
+import sys
 import threading
-from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -84,6 +86,18 @@ def _make_tp(rank: int, size: int) -> TensorParallel:
     return TensorParallel(rank=rank, size=size, group=dist.group.WORLD, cpu_group=cpu_group)
 
 
+def _check_shapes(model_config: ModelConfig, size: int) -> None:
+    """Build rank 0's shard on the meta device: a model that cannot be split over `size`
+    ranks fails here, with the layer's message, before any worker starts."""
+    from ssmserve.kernels import get_ops
+    from ssmserve.models.base import ModelContext
+    from ssmserve.models.registry import model_class
+
+    ctx = ModelContext(get_ops("torch", "cpu"), TensorParallel(rank=0, size=size))
+    with torch.device("meta"):
+        model_class(model_config.architecture)(model_config.hf_config, ctx)
+
+
 class TensorParallelExecutor:
     """Rank 0 of a tensor-parallel group of `config.tensor_parallel_size` ranks."""
 
@@ -97,36 +111,18 @@ class TensorParallelExecutor:
         from ssmserve.engine.model_runner import ModelRunner
 
         size = config.tensor_parallel_size
-        self._procs: list[mp.process.BaseProcess] = []
-        self._conns: list[Connection] = []
+        _check_shapes(model_config, size)
+        self._procs: list[subprocess.Popen] = []
         self._failed: str | None = None
         self._closed = False
         if torchrun_rank() is None:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
-            ctx = mp.get_context("spawn")
+            level = logging.getLogger().getEffectiveLevel()
             for rank in range(1, size):
-                parent_end, child_end = ctx.Pipe()
-                proc = ctx.Process(
-                    target=_worker_main,
-                    args=(
-                        rank,
-                        size,
-                        init_method,
-                        config,
-                        model_config,
-                        device,
-                        dtype,
-                        child_end,
-                        logging.getLogger().getEffectiveLevel(),
-                    ),
-                    name=f"ssmserve-tp{rank}",
-                    daemon=True,
-                )
-                proc.start()
-                child_end.close()
-                self._procs.append(proc)
-                self._conns.append(parent_end)
-            threading.Thread(target=self._watch_workers, daemon=True).start()
+                args = (rank, size, init_method, config, model_config, device, dtype, level)
+                self._procs.append(_spawn_worker(args))
+            for proc in self._procs:
+                threading.Thread(target=self._watch_worker, args=(proc,), daemon=True).start()
         else:
             init_method = "env://"
         try:
@@ -142,15 +138,18 @@ class TensorParallelExecutor:
         except BaseException:
             self.shutdown()
             raise
+        atexit.register(self.shutdown)
         logger.info("tensor parallel: %d ranks over %s", size, _backend(device))
 
-    def _watch_workers(self) -> None:
-        sentinels = {p.sentinel: p for p in self._procs}
-        ready = mp.connection.wait(list(sentinels))
-        if not self._closed:
-            proc = sentinels[ready[0]]
-            proc.join(timeout=1)
-            self._failed = f"tensor-parallel worker {proc.name} exited (code {proc.exitcode})"
+    @property
+    def workers(self) -> list[subprocess.Popen]:
+        """The worker processes this executor started (none under torchrun)."""
+        return list(self._procs)
+
+    def _watch_worker(self, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if not self._closed and self._failed is None:
+            self._failed = f"tensor-parallel worker (pid {proc.pid}) exited with code {code}"
             logger.error("%s; in-flight requests fail", self._failed)
 
     def _check(self) -> None:
@@ -198,43 +197,51 @@ class TensorParallelExecutor:
                 except (RuntimeError, dist.DistBackendError):
                     pass
             for proc in self._procs:
-                proc.join(timeout=10)
+                _wait(proc, 10)
         for proc in self._procs:
-            if proc.is_alive():
+            if proc.poll() is None:
                 proc.terminate()
-                proc.join(timeout=5)
-        for conn in self._conns:
-            conn.close()
+                _wait(proc, 5)
+            if proc.stdin is not None:
+                proc.stdin.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _watch_parent(conn: Connection) -> None:
-    """Exit at once when the engine process goes away (its end of the pipe closes)."""
+def _wait(proc: subprocess.Popen, timeout: float) -> None:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
 
-    def wait() -> None:
-        try:
-            conn.recv()
-        except (EOFError, OSError):
+
+def _spawn_worker(args: tuple) -> subprocess.Popen:
+    """Start one worker as `python -m ssmserve.distributed.executor`, its arguments pickled
+    on stdin. A fresh interpreter (not a fork, and not multiprocessing's spawn, which
+    re-imports the caller's main module) keeps CUDA and user scripts out of the worker."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ssmserve.distributed.executor"], stdin=subprocess.PIPE
+    )
+    pickle.dump(args, proc.stdin)
+    proc.stdin.flush()
+    return proc
+
+
+def _worker_process() -> None:
+    """Entry point of a spawned worker: read the arguments, then serve rank 0. The engine
+    keeps this process's stdin open; when it closes (the engine exited or died), exit."""
+    rank, size, init_method, config, model_config, device, dtype, level = pickle.load(
+        sys.stdin.buffer
+    )
+    logging.basicConfig(level=level, format=f"%(levelname)s tp{rank} %(name)s: %(message)s")
+
+    def exit_with_parent() -> None:
+        # Raw reads of fd 0: a thread blocked in sys.stdin would hold its lock at exit.
+        while os.read(sys.stdin.fileno(), 1 << 16):
             pass
         os._exit(1)
 
-    threading.Thread(target=wait, daemon=True).start()
-
-
-def _worker_main(
-    rank: int,
-    size: int,
-    init_method: str,
-    config: EngineConfig,
-    model_config: ModelConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    conn: Connection,
-    log_level: int,
-) -> None:
-    logging.basicConfig(level=log_level, format=f"%(levelname)s tp{rank} %(name)s: %(message)s")
-    _watch_parent(conn)
+    threading.Thread(target=exit_with_parent, daemon=True).start()
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     run_worker(rank, size, init_method, config, model_config, _rank_device(device, rank), dtype)
@@ -279,3 +286,7 @@ def run_worker(
         else:
             break
     dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker_process()
