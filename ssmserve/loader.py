@@ -74,7 +74,11 @@ def load_weights(model: CausalLM, path: str) -> None:
                 got = loaded.setdefault(name, set())
                 got.update(needed[name] if shard is None else {shard})
     missing = sorted(
-        name for name, shards in needed.items() if not shards <= loaded.get(name, set())
+        {
+            model.param_to_checkpoint(name, shard)
+            for name, shards in needed.items()
+            for shard in shards - loaded.get(name, set())
+        }
     )
     if missing or unexpected:
         parts = []

@@ -157,14 +157,14 @@ def _alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
-def test_server_with_tp2_serves_openai_client_and_sigterm_stops_every_process(tp_checkpoint):
+def _serve_tp2(path: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [
         sys.executable,
         "-m",
         "ssmserve.cli",
         "serve",
-        tp_checkpoint("llama_tied_tp2"),
+        path,
         "--port",
         str(port),
         "--device",
@@ -176,23 +176,34 @@ def test_server_with_tp2_serves_openai_client_and_sigterm_stops_every_process(tp
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("the server did not come up")
+        time.sleep(0.3)
+
+
+def _complete(base: str, max_tokens: int = 6):
+    client = openai.OpenAI(base_url=base + "/v1", api_key="EMPTY", max_retries=0)
+    model = client.models.list().data[0].id
+    return client.completions.create(
+        model=model, prompt=PROMPTS[0], max_tokens=max_tokens, temperature=0
+    )
+
+
+def test_server_with_tp2_serves_openai_client_and_sigterm_stops_every_process(tp_checkpoint):
+    proc, base = _serve_tp2(tp_checkpoint("llama_tied_tp2"))
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.3)
         workers = _children(proc.pid)
         assert workers, "no tensor-parallel worker process"
-        client = openai.OpenAI(base_url=base + "/v1", api_key="EMPTY")
-        model = client.models.list().data[0].id
-        out = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0)
-        assert out.usage.completion_tokens == 6
+        assert _complete(base).usage.completion_tokens == 6
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         deadline = time.monotonic() + 10
@@ -202,3 +213,50 @@ def test_server_with_tp2_serves_openai_client_and_sigterm_stops_every_process(tp
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_server_reports_a_dead_worker_on_health_and_fails_requests(tp_checkpoint):
+    proc, base = _serve_tp2(tp_checkpoint("llama_tied_tp2"))
+    try:
+        (worker,) = _children(proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        with pytest.raises(openai.APIError):
+            _complete(base)
+        assert httpx.get(base + "/health", timeout=5).status_code == 503
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_torchrun_ranks_serve_one_engine_like_the_single_process_one(tp_checkpoint):
+    path = tp_checkpoint("llama_tied_tp2")
+    args = [
+        "-m",
+        "ssmserve.cli",
+        "generate",
+        "--model",
+        path,
+        "--device",
+        "cpu",
+        "--max-tokens",
+        "8",
+        PROMPTS[1],
+    ]
+    alone = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+    ]
+    both = subprocess.run(
+        [*torchrun, *args, "--tensor-parallel-size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert both.returncode == 0, both.stderr
+    assert alone.stdout.strip() and both.stdout.strip().endswith(alone.stdout.strip())

@@ -97,6 +97,13 @@ class CausalLM(nn.Module):
                 return name.replace(fragment, replacement), shard
         return name, None
 
+    def param_to_checkpoint(self, name: str, shard: int | None) -> str:
+        """The checkpoint name of a parameter's shard (for messages)."""
+        for fragment, replacement, rule_shard in self.name_rules:
+            if replacement in name and rule_shard == shard:
+                return name.replace(replacement, fragment)
+        return name
+
 
 def llama_attention(cfg, ctx: ModelContext, rotary: RotaryEmbedding | None) -> Attention:
     """Attention from the config fields Llama-style checkpoints share."""
