@@ -38,9 +38,5 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks)
-
-    @property
     def is_empty(self) -> bool:
         return not self.chunks

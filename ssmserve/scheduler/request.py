@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-from typing import Any
 
 
 class RequestStatus(enum.Enum):
@@ -35,7 +34,6 @@ class Request:
         min_tokens: int = 0,
         eos_token_ids: tuple[int, ...] = (),
         stop_token_ids: tuple[int, ...] = (),
-        payload: Any = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -47,7 +45,6 @@ class Request:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(stop_token_ids)
         self.arrival_index = -1  # set by the scheduler when the request is added
-        self.payload = payload  # engine-side data (sampling params, detokenizer, ...)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
