@@ -16,6 +16,7 @@ from ssmserve.config import (
     EngineConfig,
     ModelConfig,
     resolve_model_path,
+    resolve_tokenizer_path,
     resolve_torch_dtype,
 )
 from ssmserve.engine.detokenizer import IncrementalDetokenizer, find_stop
@@ -102,7 +103,9 @@ class LLMEngine:
             raise RuntimeError("this GPU has no bfloat16 support; pass --dtype float16")
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            resolve_tokenizer_path(config.tokenizer, path, config.load_format)
+        )
         self.model = self._build_model(path)
         self._setup_caches()
         self.runner = ModelRunner(self.model, self.device, config.block_size)
