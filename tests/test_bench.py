@@ -141,23 +141,27 @@ def test_costs_of_the_tiny_bamba_match_its_config(bamba_engine):
     assert costs.attention_flops_per_pair == per_pair
 
 
-def test_throughput_floor_adds_the_prefill_and_each_wave_of_decode_steps():
+def test_throughput_floor_counts_the_fewest_steps_and_all_traffic():
     costs = ModelCosts(
-        body_params=0,
-        head_params=0,
+        body_params=10,
+        head_params=3,
         weight_bytes=1000,
         state_bytes_per_seq=50,
         kv_bytes_per_token=0,
         attention_flops_per_pair=0,
     )
-    peaks = DevicePeaks("x", bandwidth=1000.0, flops=1e30, source="test")
-    # 5 requests, 2 at once: waves of 2, 2, 1. Prefill: 1000 + 5 x 50 bytes. A decode step
-    # at batch b reads the weights and reads + writes b states: 1000 + 100 b bytes.
-    floor = throughput_floor_s(
-        costs, peaks, num_prompts=5, input_len=8, output_len=4, concurrency=2
-    )
-    expected = (1000 + 5 * 50) + 3 * ((1000 + 200) * 2 + (1000 + 100))
-    assert floor == pytest.approx(expected / 1000)
+    shape = dict(num_prompts=5, input_len=8, output_len=4, concurrency=2)
+    by_bytes = DevicePeaks("x", bandwidth=1000.0, flops=1e30, source="test")
+    # 5 requests of 4 output tokens, 2 at once: 3 rounds of 3 decode steps after a first
+    # step, each reading the 1000 weight bytes; each request writes its state once at
+    # prefill and reads + writes it at each of its 3 decode steps.
+    expected = (3 * 3 + 1) * 1000 + 5 * 50 + 5 * 3 * 2 * 50
+    assert throughput_floor_s(costs, by_bytes, **shape) == pytest.approx(expected / 1000)
+    by_flops = DevicePeaks("x", bandwidth=1e30, flops=1.0, source="test")
+    # Per request: prefill 2 x 10 x 8 + 2 x 3 (the head for the last token only), then
+    # 3 decode tokens of 2 x (10 + 3) each.
+    expected = 5 * (2 * 10 * 8 + 2 * 3 + 3 * 2 * 13)
+    assert throughput_floor_s(costs, by_flops, **shape) == pytest.approx(expected)
 
 
 def test_device_peaks_from_the_table_or_the_flags():

@@ -3,6 +3,7 @@ bundled model, CPU): every request counted, the timings consistent, the JSON and
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -25,6 +26,7 @@ from tests.server.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 256
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +77,20 @@ def _check_consistent(summary: dict, results: list, max_tokens: int) -> None:
     assert summary["e2e_s"]["max"] <= summary["duration_s"]
     gaps = sum(len(r.chunk_times) - 1 for r in results)
     assert sum(1 for r in results for _ in r.itl) == gaps
+    cdf = summary["itl_cdf_s"]
+    assert cdf == sorted(cdf) and len(cdf) == 101
+    assert (cdf[0], cdf[50], cdf[100]) == pytest.approx(
+        (summary["itl_s"]["min"], summary["itl_s"]["p50"], summary["itl_s"]["max"])
+    )
+    # The timeline holds every output token once, and request-seconds in flight add up
+    # to the requests' end-to-end times.
+    line = summary["timeline"]
+    assert sum(line["output_tokens_per_s"]) * line["bin_s"] == pytest.approx(
+        summary["output_tokens"]
+    )
+    assert sum(line["requests_in_flight"]) * line["bin_s"] == pytest.approx(
+        sum(r.e2e for r in results)
+    )
 
 
 def test_fixed_concurrency_counts_every_request_and_token(server_url):
@@ -145,9 +161,13 @@ def test_bench_serving_command_writes_json_and_a_plot(server_url, tmp_path, caps
     assert [r["output_tokens"] for r in results["per_request"]] == [6, 4, 6, 4]
     assert results["peak_concurrency"] <= 3 and results["failed"] == 0
     png = out_json.with_suffix(".png")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         assert not png.exists() and "no plot: matplotlib is not installed" in captured.out
+        assert main(["bench", "plot", str(out_json)]) == 2
+        assert "pip install 'ssmserve[plot]'" in capsys.readouterr().err
         pytest.skip("matplotlib is not installed: the PNG part is not checked")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    # The same plot again, from the JSON alone.
+    again = tmp_path / "again.png"
+    assert main(["bench", "plot", str(out_json), "--output", str(again)]) == 0
+    assert again.read_bytes()[:8] == PNG_MAGIC

@@ -73,6 +73,19 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     _serving_args(srv)
     srv.set_defaults(func=run_serving_command)
+
+    plot = kinds.add_parser(
+        "plot",
+        help="draw the PNG of a `bench serving` JSON result (needs matplotlib)",
+        description="Draw latency CDFs and throughput over time from the JSON that "
+        "`bench serving --output-json` wrote, e.g. on a machine that has matplotlib when "
+        "the one that ran the benchmark has not.",
+    )
+    plot.add_argument("result", help="JSON written by `ssmserve bench serving --output-json`")
+    plot.add_argument(
+        "--output", default=None, metavar="PNG", help="default: the JSON's path with .png"
+    )
+    plot.set_defaults(func=run_plot_command)
     return bench
 
 
@@ -342,20 +355,18 @@ def run_throughput_command(args: argparse.Namespace) -> int:
 
 def run_serving_command(args: argparse.Namespace) -> int:
     from ssmserve.bench.common import run_metadata
+    from ssmserve.bench.plot import plot_serving
     from ssmserve.bench.serving import (
         load_prompts,
-        plot_serving,
         random_prompts,
         run_serving,
         serving_table,
         summarize_serving,
     )
 
-    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    has_matplotlib = _has_matplotlib()
     if args.plot and not has_matplotlib:
-        return _fail(
-            RuntimeError("--plot needs matplotlib: pip install 'ssmserve[plot]' (or matplotlib)")
-        )
+        return _fail(RuntimeError(NO_MATPLOTLIB))
     plot = args.plot
     if plot is None and args.output_json and has_matplotlib:
         plot = os.path.splitext(args.output_json)[0] + ".png"
@@ -407,8 +418,38 @@ def run_serving_command(args: argparse.Namespace) -> int:
     header = f"serving: {run.model} at {base_url}; {args.num_prompts} requests, {rate}{limit}"
     status = _finish(report, serving_table(summary), header, args.output_json)
     if plot:
-        plot_serving(run, plot)
+        plot_serving(summary, plot)
         print(f"wrote {plot}")
     elif args.output_json:
-        print("no plot: matplotlib is not installed (pip install 'ssmserve[plot]')")
+        print(
+            "no plot: matplotlib is not installed (pip install 'ssmserve[plot]'); "
+            f"`ssmserve bench plot {args.output_json}` draws it later"
+        )
     return status if not summary["failed"] else 1
+
+
+def run_plot_command(args: argparse.Namespace) -> int:
+    import json
+
+    from ssmserve.bench.plot import plot_serving
+
+    if not _has_matplotlib():
+        return _fail(RuntimeError(NO_MATPLOTLIB))
+    try:
+        with open(args.result) as f:
+            report = json.load(f)
+        if report.get("benchmark") != "serving":
+            raise ValueError(f"{args.result} is not a `bench serving` result")
+    except (OSError, ValueError) as exc:
+        return _fail(exc)
+    path = args.output or os.path.splitext(args.result)[0] + ".png"
+    plot_serving(report["results"], path)
+    print(f"wrote {path}")
+    return 0
+
+
+NO_MATPLOTLIB = "plots need matplotlib: pip install 'ssmserve[plot]' (or matplotlib)"
+
+
+def _has_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None

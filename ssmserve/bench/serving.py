@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,13 @@ from typing import Any
 import httpx
 from tqdm.auto import tqdm
 
-from ssmserve.bench.common import fmt, markdown_table, random_token_prompts, summarize
+from ssmserve.bench.common import (
+    fmt,
+    markdown_table,
+    percentile,
+    random_token_prompts,
+    summarize,
+)
 
 
 @dataclass(frozen=True)
@@ -178,8 +185,10 @@ async def _run(
     in_flight = peak = 0
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency or len(prompts))
+    # No read timeout: a long generation streams for as long as it streams.
+    timeout = httpx.Timeout(None, connect=30.0)
     bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=not progress)
-    async with httpx.AsyncClient(timeout=None, limits=limits, headers=headers) as client:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
         t0 = time.perf_counter()
 
         async def send(prompt: ServingPrompt) -> RequestResult:
@@ -267,6 +276,33 @@ def run_serving(
     return ServingRun(model, base_url, results, duration, peak)
 
 
+def itl_cdf(results: list[RequestResult]) -> list[float]:
+    """Inter-token latencies at the 0th, 1st, ..., 100th percentile: their CDF, compactly."""
+    gaps = sorted(gap for r in results for gap in r.itl)
+    return [percentile(gaps, q) for q in range(101)] if gaps else []
+
+
+def timeline(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    """Output tokens/s and mean requests in flight over time, in bins of `bin_s` seconds
+    (a chunk carries its share of its request's output tokens)."""
+    bins = max(min(120, math.ceil(duration / 0.25)), 1)
+    width = duration / bins
+    tokens = [0.0] * bins
+    busy = [0.0] * bins
+    for r in results:
+        share = r.output_tokens / max(len(r.chunk_times), 1)
+        for t in r.chunk_times:
+            tokens[min(int(t / width), bins - 1)] += share
+        for b in range(min(int(r.start / width), bins - 1), min(int(r.end / width), bins - 1) + 1):
+            overlap = min(r.end, (b + 1) * width) - max(r.start, b * width)
+            busy[b] += max(overlap, 0.0) / width
+    return {
+        "bin_s": width,
+        "output_tokens_per_s": [n / width for n in tokens],
+        "requests_in_flight": busy,
+    }
+
+
 def summarize_serving(run: ServingRun) -> dict[str, Any]:
     """Counts, throughput, latency percentiles (seconds) and per-request records (JSON)."""
     results, duration = run.results, run.duration
@@ -295,6 +331,8 @@ def summarize_serving(run: ServingRun) -> dict[str, Any]:
         "tpot_s": summarize([r.tpot for r in ok if r.tpot is not None]),
         "itl_s": summarize([gap for r in ok for gap in r.itl]),
         "e2e_s": summarize([r.e2e for r in ok]),
+        "itl_cdf_s": itl_cdf(ok),
+        "timeline": timeline(ok, duration),
         "per_request": [
             {
                 "start": r.start,
@@ -335,51 +373,3 @@ def serving_table(report: dict[str, Any]) -> str:
         ],
     )
     return latency + "\n\n" + totals
-
-
-def plot_serving(run: ServingRun, path: str) -> None:
-    """A PNG: latency CDFs (TTFT, ITL, TPOT, end to end) and output tokens/s over time."""
-    from matplotlib.figure import Figure
-
-    duration = run.duration
-    ok = [r for r in run.results if r.error is None]
-    fig = Figure(figsize=(12, 4.5), layout="constrained")
-    cdf, rate = fig.subplots(1, 2)
-    series = {
-        "TTFT": [r.ttft for r in ok],
-        "ITL": [gap for r in ok for gap in r.itl],
-        "TPOT": [r.tpot for r in ok if r.tpot is not None],
-        "end to end": [r.e2e for r in ok],
-    }
-    for label, values in series.items():
-        values = sorted(v * 1e3 for v in values if v is not None and v > 0)
-        if values:
-            fractions = [(i + 1) / len(values) for i in range(len(values))]
-            cdf.step(values, fractions, where="post", label=f"{label} (n={len(values)})")
-    cdf.set_xscale("log")
-    cdf.set_xlabel("latency (ms)")
-    cdf.set_ylabel("fraction of samples at or below")
-    cdf.set_title("latency CDF")
-    cdf.grid(True, which="both", alpha=0.3)
-    cdf.legend()
-    bins = max(min(60, int(duration / 0.25)), 1)
-    width = duration / bins
-    tokens = [0.0] * bins
-    running = [0] * bins
-    for r in ok:
-        # Each chunk carries its share of the request's output tokens.
-        share = r.output_tokens / max(len(r.chunk_times), 1)
-        for t in r.chunk_times:
-            tokens[min(int(t / width), bins - 1)] += share
-        for b in range(min(int(r.start / width), bins - 1), min(int(r.end / width), bins - 1) + 1):
-            running[b] += 1
-    centers = [(i + 0.5) * width for i in range(bins)]
-    rate.plot(centers, [n / width for n in tokens], color="tab:blue")
-    rate.set_xlabel("time since the first request (s)")
-    rate.set_ylabel("output tokens/s", color="tab:blue")
-    rate.set_title("throughput over time")
-    rate.grid(True, alpha=0.3)
-    busy = rate.twinx()
-    busy.step(centers, running, where="mid", color="tab:orange")
-    busy.set_ylabel("requests in flight", color="tab:orange")
-    fig.savefig(path, dpi=110)

@@ -112,25 +112,24 @@ def throughput_floor_s(
     output_len: int,
     concurrency: int,
 ) -> float | None:
-    """The least seconds for the whole run: every prefill, then waves of `concurrency`
-    requests decoding together, each decode step at its floor at the wave's mean context."""
+    """The least seconds for the whole run, however the scheduler mixes prefills and
+    decodes: with at most `concurrency` requests at once it takes at least
+    ceil(num_prompts / concurrency) x (output_len - 1) decode steps plus one, each reading
+    every weight; on top, every request's state and K/V traffic and every FLOP. Floor =
+    max(all bytes / bandwidth, all FLOPs / matrix rate)."""
     if peaks is None:
         return None
-    total = floor_s(
-        peaks,
-        costs.prefill_bytes(num_prompts, input_len),
-        costs.prefill_flops(num_prompts, input_len),
-    )
+    steps = math.ceil(num_prompts / concurrency) * (output_len - 1) + 1
     context = input_len + output_len / 2
-    left = num_prompts
-    while left > 0:
-        batch = min(left, concurrency)
-        step = floor_s(
-            peaks, costs.decode_step_bytes(batch, context), costs.decode_step_flops(batch, context)
-        )
-        total += (output_len - 1) * step
-        left -= batch
-    return total
+    decode_bytes = costs.decode_step_bytes(1, context) - costs.weight_bytes
+    prefill_bytes = costs.prefill_bytes(1, input_len) - costs.weight_bytes
+    num_bytes = steps * costs.weight_bytes + num_prompts * (
+        prefill_bytes + (output_len - 1) * decode_bytes
+    )
+    flops = num_prompts * (
+        costs.prefill_flops(1, input_len) + (output_len - 1) * costs.decode_step_flops(1, context)
+    )
+    return floor_s(peaks, num_bytes, flops)
 
 
 def add_floors(
