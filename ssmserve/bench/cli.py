@@ -205,17 +205,15 @@ def _fail(exc: BaseException) -> int:
     return 2
 
 
-def _engine(args: argparse.Namespace):
+def _engine_and_floors(args: argparse.Namespace):
+    """The engine of the run, the device's peaks (or None) and the model's costs."""
+    from ssmserve.bench.common import device_name
+    from ssmserve.bench.floors import device_peaks, engine_costs
     from ssmserve.engine.engine import LLMEngine
 
-    return LLMEngine(EngineConfig.from_args(args, model=args.model))
-
-
-def _peaks(args: argparse.Namespace, engine: Any):
-    from ssmserve.bench.common import device_name
-    from ssmserve.bench.floors import device_peaks
-
-    return device_peaks(device_name(engine.device), args.bandwidth, args.peak_tflops)
+    engine = LLMEngine(EngineConfig.from_args(args, model=args.model))
+    peaks = device_peaks(device_name(engine.device), args.bandwidth, args.peak_tflops)
+    return engine, peaks, engine_costs(engine)
 
 
 def _offline_report(kind: str, args: argparse.Namespace, engine: Any, costs, peaks) -> dict:
@@ -271,9 +269,7 @@ def _finish(report: dict, table: str, header: str, path: str | None) -> int:
 
 
 def run_latency_command(args: argparse.Namespace) -> int:
-    from ssmserve.bench.floors import engine_costs
     from ssmserve.bench.latency import latency_report, load_llama_bench, run_latency
-    from ssmserve.engine.engine import InvalidRequestError
 
     shape = dict(batch_size=args.batch_size, input_len=args.input_len, output_len=args.output_len)
     try:
@@ -284,9 +280,7 @@ def run_latency_command(args: argparse.Namespace) -> int:
                     "--peer-result holds llama-bench's single-stream figures; use --batch-size 1"
                 )
             peer = load_llama_bench(args.peer_result, args.input_len)
-        engine = _engine(args)
-        peaks = _peaks(args, engine)
-        costs = engine_costs(engine)
+        engine, peaks, costs = _engine_and_floors(args)
         samples = run_latency(
             engine,
             **shape,
@@ -295,7 +289,7 @@ def run_latency_command(args: argparse.Namespace) -> int:
             seed=args.seed,
             progress=not args.disable_tqdm,
         )
-    except (ValueError, FileNotFoundError, RuntimeError, InvalidRequestError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:
         return _fail(exc)
     results, table = latency_report(samples, costs, peaks, peer, **shape)
     report = _offline_report("latency", args, engine, costs, peaks)
@@ -310,20 +304,17 @@ def run_latency_command(args: argparse.Namespace) -> int:
         engine,
         peaks,
         f"batch {args.batch_size}, {args.input_len} in, {args.output_len} out; "
-        f"{args.num_iters} iterations after {args.num_iters_warmup} warm-up",
+        f"{args.num_iters} timed iteration{'s' * (args.num_iters != 1)} after "
+        f"{args.num_iters_warmup} warm-up",
     )
     return _finish(report, table, header, args.output_json)
 
 
 def run_throughput_command(args: argparse.Namespace) -> int:
-    from ssmserve.bench.floors import engine_costs
     from ssmserve.bench.throughput import add_floors, run_throughput, throughput_table
-    from ssmserve.engine.engine import InvalidRequestError
 
     try:
-        engine = _engine(args)
-        peaks = _peaks(args, engine)
-        costs = engine_costs(engine)
+        engine, peaks, costs = _engine_and_floors(args)
         rows = run_throughput(
             engine,
             num_prompts=args.num_prompts,
@@ -333,7 +324,7 @@ def run_throughput_command(args: argparse.Namespace) -> int:
             seed=args.seed,
             progress=not args.disable_tqdm,
         )
-    except (ValueError, FileNotFoundError, RuntimeError, InvalidRequestError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:
         return _fail(exc)
     add_floors(rows, costs, peaks, args.input_len, args.output_len)
     report = _offline_report("throughput", args, engine, costs, peaks)
@@ -395,7 +386,7 @@ def run_serving_command(args: argparse.Namespace) -> int:
             seed=args.seed,
             progress=not args.disable_tqdm,
         )
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:
         return _fail(exc)
     summary = summarize_serving(run)
     report = {
