@@ -259,7 +259,8 @@ def test_bench_latency_command_prints_floors_and_the_peer_and_writes_json(
     assert re.search(r"\d+\.\d\dx", decode_row)  # the median over its floor
     assert "llama.cpp decode, per token (tg128 @ 0)" in table  # the depth nearest 8
     report = json.loads(out_json.read_text())
-    for key in ("date", "device", "commit", "command", "config", "model", "params", "peaks"):
+    keys = ("date", "device", "commit", "command", "config", "model", "params", "peaks", "cache")
+    for key in keys:
         assert report[key], key
     assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", report["commit"])
     assert report["config"]["model"] == checkpoint("mamba2")

@@ -216,11 +216,12 @@ def _engine_and_floors(args: argparse.Namespace):
     return engine, peaks, engine_costs(engine)
 
 
-def _offline_report(kind: str, args: argparse.Namespace, engine: Any, costs, peaks) -> dict:
+def _offline_report(kind: str, engine: Any, costs, peaks) -> dict:
     from ssmserve.bench.common import run_metadata
 
     config = dataclasses.asdict(engine.config)
     config.pop("extra", None)
+    stats = engine.stats()
     return {
         "benchmark": kind,
         **run_metadata(os.environ.get(COMMIT_ENV), engine.device),
@@ -231,6 +232,11 @@ def _offline_report(kind: str, args: argparse.Namespace, engine: Any, costs, pea
             "costs": costs.as_dict(),
         },
         "config": config,
+        "cache": {
+            "kv_blocks": stats["kv_blocks_total"],
+            "state_slots": stats["state_slots_total"],
+            "max_num_seqs": engine.scheduler.max_num_seqs,  # as the memory planner left it
+        },
         "peaks": None if peaks is None else peaks.as_dict(),
     }
 
@@ -292,7 +298,7 @@ def run_latency_command(args: argparse.Namespace) -> int:
     except (ValueError, OSError, RuntimeError) as exc:
         return _fail(exc)
     results, table = latency_report(samples, costs, peaks, peer, **shape)
-    report = _offline_report("latency", args, engine, costs, peaks)
+    report = _offline_report("latency", engine, costs, peaks)
     report["params"] = {
         **shape,
         "num_iters_warmup": args.num_iters_warmup,
@@ -327,7 +333,7 @@ def run_throughput_command(args: argparse.Namespace) -> int:
     except (ValueError, OSError, RuntimeError) as exc:
         return _fail(exc)
     add_floors(rows, costs, peaks, args.input_len, args.output_len)
-    report = _offline_report("throughput", args, engine, costs, peaks)
+    report = _offline_report("throughput", engine, costs, peaks)
     report["params"] = {
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,

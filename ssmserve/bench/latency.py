@@ -188,7 +188,7 @@ def latency_table(
     rows = []
     names = {
         "ttft": "TTFT (prefill + first token)",
-        "decode_per_token": "decode, per token",
+        "decode_per_token": "decode step (a token per request)",
         "e2e": "end to end",
     }
     for key, label in names.items():
