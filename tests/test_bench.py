@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +24,7 @@ from ssmserve.engine.engine import LLMEngine
 from ssmserve.outputs import CompletionOutput, RequestOutput
 
 CPU = dict(device="cpu", dtype="float32")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +265,11 @@ def test_bench_latency_command_prints_floors_and_the_peer_and_writes_json(
     keys = ("date", "device", "commit", "command", "config", "model", "params", "peaks", "cache")
     for key in keys:
         assert report[key], key
-    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", report["commit"])
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True)
+    if head.returncode == 0:
+        assert re.fullmatch(head.stdout.decode().strip() + "(-dirty)?", report["commit"])
+    else:  # a copy of the tree without .git
+        assert report["commit"].startswith("unknown (not a git checkout")
     assert report["config"]["model"] == checkpoint("mamba2")
     assert report["params"]["batch_size"] == 1
     assert len(report["results"]["samples_s"]) == 3
@@ -280,7 +287,8 @@ def test_bench_latency_refuses_a_peer_file_at_batch_above_one(llama_bench_file, 
     assert "use --batch-size 1" in capsys.readouterr().err
 
 
-def test_bench_throughput_command_table_and_json(checkpoint, tmp_path, capsys):
+def test_bench_throughput_command_table_and_json(checkpoint, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SSMSERVE_COMMIT", "0123abc (the device copy)")
     out_json = tmp_path / "thr.json"
     model = checkpoint("mamba")
     argv = (
@@ -294,6 +302,7 @@ def test_bench_throughput_command_table_and_json(checkpoint, tmp_path, capsys):
     assert "floors: none" in captured.out
     report = json.loads(out_json.read_text())
     assert report["benchmark"] == "throughput"
+    assert report["commit"] == "0123abc (the device copy)"
     assert report["results"][0]["output_tokens"] == 12
     assert report["results"][0]["floor_s"] is None
 
@@ -324,7 +333,8 @@ def test_dtype_of_the_costs_follows_the_engine(checkpoint):
         )
     )
     costs = engine_costs(engine)
-    params = sum(p.numel() for p in engine.model.parameters())
+    hf = transformers.AutoModelForCausalLM.from_config(engine.model_config.hf_config)
+    params = sum(p.numel() for p in hf.parameters())
     assert costs.weight_bytes == (params - costs.head_params) * 2  # untied: no lookup table
     mixer = engine.model_config.hf_config
     d_inner = mixer.num_heads * mixer.head_dim

@@ -13,11 +13,9 @@ import pytest
 import torch
 import transformers
 
-from ssmserve.bench.floors import DevicePeaks, floor_s, model_costs
+from ssmserve.bench.floors import DevicePeaks, floor_s, meta_model, model_costs
 from ssmserve.config import EngineConfig, ModelConfig, bundled_model_path
 from ssmserve.engine.engine import LLMEngine
-from ssmserve.kernels import get_ops
-from ssmserve.models.registry import model_class
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "benchmarks" / "configs"
@@ -36,12 +34,11 @@ PUBLISHED = {
 def _meta_models(name: str):
     """ssmserve's and transformers' models of a config, on the meta device (no memory)."""
     config = ModelConfig.from_hf(str(CONFIGS / name))
+    ours = meta_model(config, torch.bfloat16)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("meta"):
-            ours = model_class(config.architecture)(config.hf_config, get_ops("torch", "cpu"))
-            ours.tie_weights_if_needed()
             theirs = transformers.AutoModelForCausalLM.from_config(config.hf_config)
     finally:
         torch.set_default_dtype(default)

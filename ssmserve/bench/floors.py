@@ -111,7 +111,8 @@ def model_costs(
     params = list(model.parameters())  # shared (tied) parameters once
     total = sum(p.numel() for p in params)
     total_bytes = sum(p.numel() * p.element_size() for p in params)
-    kv_per_token = model.cache_bytes_per_block(block_size, dtype) / block_size
+    per_block, per_slot = _cache_bytes(model, block_size, dtype, state_dtype)
+    kv_per_token = per_block / block_size
     heads = getattr(hf_config, "num_attention_heads", None) or 1
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     # K/V hold 2 x kv_heads x head_dim values per layer; scores and the weighted sum cost
@@ -121,22 +122,52 @@ def model_costs(
         body_params=total - embedding * (1 if tied else 2),
         head_params=embedding,
         weight_bytes=total_bytes - (0 if tied else embedding * dtype.itemsize),
-        state_bytes_per_seq=model.cache_bytes_per_slot(dtype, state_dtype),
+        state_bytes_per_seq=per_slot,
         kv_bytes_per_token=int(kv_per_token),
         attention_flops_per_pair=attention_flops,
     )
 
 
+def _cache_bytes(
+    model: Any, block_size: int, dtype: torch.dtype, state_dtype: torch.dtype
+) -> tuple[int, int]:
+    """Bytes of one KV block over all attention layers and of one request's SSM state."""
+    return (
+        model.cache_bytes_per_block(block_size, dtype),
+        model.cache_bytes_per_slot(dtype, state_dtype),
+    )
+
+
+def meta_model(model_config: Any, dtype: torch.dtype) -> Any:
+    """ssmserve's whole model (one rank's worth at tensor-parallel size 1) for
+    `model_config`, built on the meta device: shapes without memory, at any size."""
+    from ssmserve.kernels import get_ops
+    from ssmserve.models.registry import model_class
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = model_class(model_config.architecture)(
+                model_config.hf_config, get_ops("torch", "cpu")
+            )
+            model.tie_weights_if_needed()
+    finally:
+        torch.set_default_dtype(default)
+    return model
+
+
 def engine_costs(engine: Any) -> ModelCosts:
-    """`model_costs` of the model an LLMEngine runs, with its cache settings."""
+    """`model_costs` of the model an LLMEngine runs, with its dtypes and block size."""
     config = engine.config
     state_dtype = (
         engine.dtype
         if config.mamba_ssm_cache_dtype == "auto"
         else getattr(torch, config.mamba_ssm_cache_dtype)
     )
+    model = meta_model(engine.model_config, engine.dtype)
     return model_costs(
-        engine.model, engine.model_config.hf_config, engine.dtype, state_dtype, config.block_size
+        model, engine.model_config.hf_config, engine.dtype, state_dtype, config.block_size
     )
 
 
