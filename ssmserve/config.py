@@ -56,6 +56,27 @@ def resolve_model_path(model: str | None) -> str:
     )
 
 
+# Files any of which means a folder carries its own tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def resolve_tokenizer_path(tokenizer: str | None, model_path: str, load_format: str) -> str:
+    """The tokenizer folder: `tokenizer` if given, else the model's. A dummy-weight run of a
+    folder that holds only config.json (benchmarks/configs/*) gets the bundled tokenizer,
+    so real-size benchmarks run without the hub; its text is meaningless there."""
+    if tokenizer is not None:
+        return tokenizer
+    has_own = any(os.path.isfile(os.path.join(model_path, f)) for f in TOKENIZER_FILES)
+    if load_format == "dummy" and not has_own:
+        logger.warning(
+            "%s has no tokenizer files; with load_format=dummy the bundled tokenizer stands "
+            "in (token-id prompts as usual, generated text is not meaningful)",
+            model_path,
+        )
+        return bundled_model_path()
+    return model_path
+
+
 @dataclass
 class ModelConfig:
     """The checkpoint: its path, HF config and architecture, and what the engine derives."""

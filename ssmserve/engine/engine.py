@@ -17,6 +17,7 @@ from ssmserve.config import (
     EngineConfig,
     ModelConfig,
     resolve_model_path,
+    resolve_tokenizer_path,
     resolve_torch_dtype,
 )
 from ssmserve.distributed.executor import (
@@ -131,7 +132,9 @@ class LLMEngine:
             raise RuntimeError("this GPU has no bfloat16 support; pass --dtype float16")
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            resolve_tokenizer_path(config.tokenizer, path, config.load_format)
+        )
         self.executor = _make_executor(config, self.model_config, self.device, self.dtype)
         try:
             self._setup_caches()
