@@ -16,19 +16,20 @@ without reading any device tensor, so the choice is CUDA-graph safe.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ssmserve.kernels._common import (
-    HAS_TRITON,
     check_shape,
+    device_function,
     interpret_mode,
+    launch_config,
     lazy_jit,
     next_pow2,
     num_sms,
     tl,
-    triton,
 )
 
 
@@ -270,6 +271,7 @@ def write_kv_cache_triton(
 # log2-sum-exp; `_merge_splits_kernel` combines them.
 
 
+@device_function
 def _attend_tile(
     q,
     m_i,
@@ -355,11 +357,6 @@ def _attend_tile(
         p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
     )
     return m_new, l_i, acc
-
-
-if HAS_TRITON:
-    # NOTE: a JITFunction whatever TRITON_INTERPRET says (as in selective_scan.py).
-    _attend_tile = triton.runtime.jit.JITFunction(_attend_tile)
 
 
 @lazy_jit
@@ -569,18 +566,27 @@ def _merge_splits_kernel(
     )
 
 
-def _decode_config(
-    num_seqs: int, KVH: int, heads_per_kv: int, Dh: int, max_context: int, device: torch.device
+def decode_launch_config(
+    num_seqs: int,
+    KVH: int,
+    heads_per_kv: int,
+    Dh: int,
+    max_context: int,
+    device: torch.device,
+    config: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Launch options of the decode path (benchmarks/kernels/bench_paged_attention.py
-    sweeps these).
+    """Launch parameters of the decode path, `config` overriding the defaults
+    (benchmarks/kernels/bench_paged_attention.py sweeps them).
 
-    block_m: rows of the dots, the group's query heads padded to 16.
+    block_m: rows of the dots, the group's query heads padded to 16 (>= the group).
     block_n: keys per tile; 32 where 64 would spill registers (wide groups, Dh > 128).
     num_splits: programs per (sequence, KV head). Enough that all of them fill the GPU
         about four times over, but no split shorter than two tiles of the longest
         context the block tables can hold. Only host numbers decide it, so one CUDA graph
         serves every context length up to that.
+    num_warps, num_stages: Triton launch options. At batch 64, 4k context on the H200,
+        4 warps and 2 stages took 0.288 ms against 0.319 ms with 1 stage and 0.391 ms
+        with 8 warps (benchmarks/results/paged_attention_2026-11-30_h200.json, sweep rows).
     """
     block_m = max(16, next_pow2(heads_per_kv))
     block_n = 64 if block_m * max(16, next_pow2(Dh)) <= 16 * 128 else 32
@@ -588,43 +594,51 @@ def _decode_config(
     sms = num_sms(device) if device.type == "cuda" else 2
     num_splits = max(1, 4 * sms // max(1, num_seqs * KVH))
     num_splits = min(num_splits, 64, max(1, -(-max_context // (2 * block_n))))
-    # 2 stages: 0.288 ms against 0.434 with 3 at batch 64, 4k context on the H200
-    # (benchmarks/results/paged_attention_2026-11-30_h200.log).
-    return {
+    default = {
         "block_m": block_m,
         "block_n": block_n,
         "num_splits": num_splits,
         "num_warps": 4,
         "num_stages": 2,
     }
+    cfg = launch_config("paged_attention decode", default, config)
+    if cfg["block_m"] < heads_per_kv or cfg["block_m"] < 16 or cfg["block_n"] < 16:
+        raise ValueError(
+            f"paged_attention decode: block_m must be at least the query heads per KV head "
+            f"({heads_per_kv}) and 16, block_n at least 16, got {cfg}"
+        )
+    return cfg
 
 
-def _prefill_config(heads_per_kv: int, Dh: int) -> dict[str, Any]:
-    """Launch options of the prefill path: about 128 rows of (query, head) per program.
+def prefill_launch_config(
+    heads_per_kv: int, Dh: int, config: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Launch parameters of the prefill path, `config` overriding the defaults: about 128
+    rows of (query, head) per program.
 
-    Head dims up to 128 (H200, 32/8 heads of 128, bf16): 128 rows, 64-key tiles, 8 warps,
-    3 stages took a 2k chunk over 30k cached tokens from 5.88 to 4.68 ms and an 8k chunk
-    over 24k from 18.5 to 16.6 ms against 64 rows, 32-key tiles, 4 warps, 2 stages
+    block_m: rows of the dots, a multiple of heads_per_kv (block_q = block_m //
+        heads_per_kv queries per program).
+    block_n: keys per tile. num_warps, num_stages: Triton launch options.
+
+    Head dims up to 128 (H200, 32/8 heads of 128, bf16): 128 rows, 64-key tiles, 8 warps
+    and 3 stages take a 2k chunk over 30k cached tokens in 4.68 ms and an 8k chunk over
+    24k in 16.6 ms, against 5.88 and 18.5 ms with 64 rows, 32-key tiles, 4 warps, 2 stages
     (benchmarks/results/paged_attention_2026-11-30b_h200.json); larger head dims keep the
     smaller tiles.
     """
     if Dh <= 128:
         block_m = max(128, next_pow2(heads_per_kv))
-        return {
-            "block_m": block_m,
-            "block_q": block_m // heads_per_kv,
-            "block_n": 64,
-            "num_warps": 8,
-            "num_stages": 3,
-        }
-    block_m = max(64, next_pow2(heads_per_kv))
-    return {
-        "block_m": block_m,
-        "block_q": block_m // heads_per_kv,
-        "block_n": 32,
-        "num_warps": 8,
-        "num_stages": 2,
-    }
+        default = {"block_m": block_m, "block_n": 64, "num_warps": 8, "num_stages": 3}
+    else:
+        block_m = max(64, next_pow2(heads_per_kv))
+        default = {"block_m": block_m, "block_n": 32, "num_warps": 8, "num_stages": 2}
+    cfg = launch_config("paged_attention prefill", default, config)
+    if cfg["block_m"] < heads_per_kv or cfg["block_m"] < 16 or cfg["block_n"] < 16:
+        raise ValueError(
+            f"paged_attention prefill: block_m must be at least the query heads per KV head "
+            f"({heads_per_kv}) and 16, block_n at least 16, got {cfg}"
+        )
+    return {**cfg, "block_q": cfg["block_m"] // heads_per_kv}
 
 
 def paged_attention_triton(
@@ -638,6 +652,8 @@ def paged_attention_triton(
     scale: float,
     sliding_window: int | None = None,
     num_decodes: int = 0,
+    decode_config: Mapping[str, Any] | None = None,
+    prefill_config: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Triton twin of `paged_attention_ref` (same arguments, shapes and result).
 
@@ -645,6 +661,8 @@ def paged_attention_triton(
     KV head, context split), the group's query heads as the rows of its dots, so each KV
     block is read once per KV head. The rest take the prefill path: one program per
     (block of queries, KV head), flash-style online softmax. No host sync.
+    `decode_config` and `prefill_config` override the paths' launch parameters (see
+    `decode_launch_config` and `prefill_launch_config`; benchmarks and tests only).
     """
     T, H, KVH, Dh, S = _check_attention_args(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, num_decodes
@@ -681,7 +699,9 @@ def paged_attention_triton(
     )
     if num_decodes > 0:
         max_context = block_tables.shape[1] * block_size
-        cfg = _decode_config(num_decodes, KVH, heads_per_kv, Dh, max_context, q.device)
+        cfg = decode_launch_config(
+            num_decodes, KVH, heads_per_kv, Dh, max_context, q.device, decode_config
+        )
         splits = cfg["num_splits"]
         part_out = part_lse = out  # not touched with one split
         if splits > 1:
@@ -721,7 +741,7 @@ def paged_attention_triton(
             )
     num_prefills = S - num_decodes
     if num_prefills > 0:
-        cfg = _prefill_config(heads_per_kv, Dh)
+        cfg = prefill_launch_config(heads_per_kv, Dh, prefill_config)
         # decodes hold exactly one query each, so the prefills hold T - num_decodes
         grid = ((T - num_decodes) // cfg["block_q"] + num_prefills, KVH, 1)
         _paged_attention_kernel[grid](
