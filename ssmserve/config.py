@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields
 from importlib import resources
 from typing import Any
 
+from ssmserve.kernels import BACKENDS
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "ssmserve-bamba-tiny"
@@ -137,9 +139,9 @@ class EngineConfig:
                 f"mamba_ssm_cache_dtype must be one of {STATE_DTYPES}, "
                 f"got {self.mamba_ssm_cache_dtype!r}"
             )
-        if self.kernel_backend not in ("auto", "triton", "torch"):
+        if self.kernel_backend not in BACKENDS:
             raise ValueError(
-                f"kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}"
+                f"kernel_backend must be one of {BACKENDS}, got {self.kernel_backend!r}"
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(
@@ -229,7 +231,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=STATE_DTYPES,
         help="dtype of the SSM state (float32 keeps long outputs exact)",
     )
-    g.add_argument("--kernel-backend", default="auto", choices=("auto", "triton", "torch"))
+    g.add_argument("--kernel-backend", default="auto", choices=BACKENDS)
     g.add_argument(
         "--load-format",
         default="auto",

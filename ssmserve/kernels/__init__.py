@@ -12,8 +12,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: BACKENDS must be cheap to import
+    import torch
 
 # op field -> (module, function base name); the torch twin is `<name>_ref`, the
 # Triton launcher `<name>_triton`, both with the same signature.
@@ -59,6 +61,8 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     "auto" is "torch" off CUDA, and on CUDA "hopper" where the Gluon SSD kernel can run
     (an sm_90 GPU, Triton with Gluon) and "triton" elsewhere.
     """
+    import torch
+
     device = torch.device(device)
     if backend not in BACKENDS:
         raise ValueError(f"kernel_backend must be one of {BACKENDS}, got {backend!r}")
@@ -87,7 +91,9 @@ def get_ops(backend: str, device: torch.device | str) -> KernelOps:
     A backend that cannot run on `device` raises, saying why: there is no silent
     fallback to another backend.
     """
-    # Imported here so `import ssmserve.kernels` does not import Triton.
+    # Imported here so `import ssmserve.kernels` imports neither torch nor Triton.
+    import torch
+
     from ssmserve.kernels._common import triton_unavailable_reason
 
     device = torch.device(device)
