@@ -23,7 +23,6 @@ import torch
 
 from ssmserve.kernels._common import (
     check_shape,
-    device_function,
     interpret_mode,
     launch_config,
     lazy_jit,
@@ -271,94 +270,6 @@ def write_kv_cache_triton(
 # log2-sum-exp; `_merge_splits_kernel` combines them.
 
 
-@device_function
-def _attend_tile(
-    q,
-    m_i,
-    l_i,
-    acc,
-    n0,
-    kv_hi,
-    q_pos,
-    seq,
-    kv_head,
-    qk_scale,
-    block_size,
-    window,
-    block_tables_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    offs_d,
-    mask_d,
-    stride_kc_b,
-    stride_kc_o,
-    stride_kc_h,
-    stride_kc_d,
-    stride_vc_b,
-    stride_vc_o,
-    stride_vc_h,
-    stride_vc_d,
-    stride_bt_s,
-    stride_bt_b,
-    MASKED: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One BLOCK_N-key tile of the online softmax; MASKED: causal / window / end masks."""
-    k_pos = n0 + tl.arange(0, BLOCK_N)
-    if MASKED:
-        mask_n = k_pos < kv_hi
-        mask_nd = mask_n[:, None] & mask_d[None, :]
-        block = tl.load(
-            block_tables_ptr + seq * stride_bt_s + (k_pos // block_size) * stride_bt_b,
-            mask=mask_n,
-            other=0,
-        ).to(tl.int64)
-    else:
-        mask_nd = mask_d[None, :]
-        block = tl.load(
-            block_tables_ptr + seq * stride_bt_s + (k_pos // block_size) * stride_bt_b
-        ).to(tl.int64)
-    offset = k_pos % block_size
-    k = tl.load(
-        k_cache_ptr
-        + block[:, None] * stride_kc_b
-        + offset[:, None] * stride_kc_o
-        + kv_head * stride_kc_h
-        + offs_d[None, :] * stride_kc_d,
-        mask=mask_nd,
-        other=0.0,
-    )
-    v = tl.load(
-        v_cache_ptr
-        + block[:, None] * stride_vc_b
-        + offset[:, None] * stride_vc_o
-        + kv_head * stride_vc_h
-        + offs_d[None, :] * stride_vc_d,
-        mask=mask_nd,
-        other=0.0,
-    )
-    scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
-    if MASKED:
-        # Rows past the valid ones are never stored, so they need no mask here.
-        allowed = (k_pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
-        if HAS_WINDOW:
-            allowed &= k_pos[None, :] > q_pos[:, None] - window
-        scores = tl.where(allowed, scores, -float("inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    # Rows with nothing allowed yet keep m = -inf; subtract 0 there to avoid NaN.
-    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-    p = tl.exp2(scores - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(
-        p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
-    )
-    return m_new, l_i, acc
-
-
 @lazy_jit
 def _paged_attention_kernel(
     q_ptr,
@@ -474,40 +385,55 @@ def _paged_attention_kernel(
         else:
             tiles_lo, tiles_hi = kv_lo, full_hi
         for n0 in range(tiles_lo, tiles_hi, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q,
-                m_i,
-                l_i,
-                acc,
-                n0,
-                kv_hi,
-                q_pos,
-                seq,
-                kv_head,
-                qk_scale,
-                block_size,
-                window,
-                block_tables_ptr,
-                k_cache_ptr,
-                v_cache_ptr,
-                offs_d,
-                mask_d,
-                stride_kc_b,
-                stride_kc_o,
-                stride_kc_h,
-                stride_kc_d,
-                stride_vc_b,
-                stride_vc_o,
-                stride_vc_h,
-                stride_vc_d,
-                stride_bt_s,
-                stride_bt_b,
-                MASKED == 1,
-                HAS_WINDOW,
-                BLOCK_N,
-                DOT_DTYPE,
-                DOT_PRECISION,
+            # One BLOCK_N-key tile of the online softmax; MASKED: causal / window / end.
+            k_pos = n0 + tl.arange(0, BLOCK_N)
+            bt_row = block_tables_ptr + seq * stride_bt_s
+            if MASKED:
+                mask_n = k_pos < kv_hi
+                mask_nd = mask_n[:, None] & mask_d[None, :]
+                block = tl.load(
+                    bt_row + (k_pos // block_size) * stride_bt_b, mask=mask_n, other=0
+                ).to(tl.int64)
+            else:
+                mask_nd = mask_d[None, :]
+                block = tl.load(bt_row + (k_pos // block_size) * stride_bt_b).to(tl.int64)
+            offset = k_pos % block_size
+            k = tl.load(
+                k_cache_ptr
+                + block[:, None] * stride_kc_b
+                + offset[:, None] * stride_kc_o
+                + kv_head * stride_kc_h
+                + offs_d[None, :] * stride_kc_d,
+                mask=mask_nd,
+                other=0.0,
             )
+            v = tl.load(
+                v_cache_ptr
+                + block[:, None] * stride_vc_b
+                + offset[:, None] * stride_vc_o
+                + kv_head * stride_vc_h
+                + offs_d[None, :] * stride_vc_d,
+                mask=mask_nd,
+                other=0.0,
+            )
+            scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+            scores *= qk_scale
+            if MASKED:
+                # Rows past the valid ones are never stored, so they need no mask here.
+                allowed = (k_pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
+                if HAS_WINDOW:
+                    allowed &= k_pos[None, :] > q_pos[:, None] - window
+                scores = tl.where(allowed, scores, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            # Rows with nothing allowed yet keep m = -inf; subtract 0 there to avoid NaN.
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+            p = tl.exp2(scores - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(
+                p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
+            )
+            m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     mask_out = mask_m[:, None] & mask_d[None, :]
     if NUM_SPLITS == 1:
