@@ -107,7 +107,7 @@ class LLMEngine:
         self._setup_caches()
         self.runner = ModelRunner(self.model, self.device, config.block_size)
         if self.device.type == "cuda" and not config.enforce_eager:
-            if self.kernel_ops.backend != "triton":
+            if self.kernel_ops.backend == "torch":
                 logger.info("CUDA graphs need the Triton kernels; running eager")
             else:
                 self.runner.enable_cuda_graphs(
