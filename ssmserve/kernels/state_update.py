@@ -265,11 +265,9 @@ def _state_update_kernel(
     )
 
 
-def update_launch_config(
-    P: int, block_n: int, config: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
-    """Launch parameters for head dim P and padded state dim block_n, `config` overriding
-    the defaults (benchmarks/kernels/bench_state_update.py sweeps them).
+def update_launch_config(P: int, N: int, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Launch parameters for head dim P and state dim N, `config` overriding the defaults
+    (benchmarks/kernels/bench_state_update.py sweeps them).
 
     block_p: head-dim rows per program. The default gives ~2k state elements per program:
         enough bytes in flight per SM at large batch, and enough programs at batch 1 to
@@ -277,7 +275,7 @@ def update_launch_config(
         others at batch 64 and 256 (benchmarks/results/kernels_2026-11-29_h200_full.md).
     num_warps: warps per program.
     """
-    default = {"block_p": min(next_pow2(P), max(1, 2048 // block_n)), "num_warps": 4}
+    default = {"block_p": min(next_pow2(P), max(1, 2048 // next_pow2(N))), "num_warps": 4}
     return launch_config("selective_state_update", default, config)
 
 
@@ -319,7 +317,7 @@ def selective_state_update_triton(
         and _tied_over_p(dt_bias, (1,))
     )
     block_n = next_pow2(N)
-    cfg = update_launch_config(P, block_n, config)
+    cfg = update_launch_config(P, N, config)
     block_p = cfg["block_p"]
     lo, hi = dt_limit
     zeros3 = (0, 0, 0)
