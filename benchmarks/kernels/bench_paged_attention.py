@@ -14,6 +14,10 @@ Bamba-9B attention dims (32 query heads, 8 KV heads, head dim 128), bf16, the en
   one batch through the prefill path for comparison.
 - prefill: fresh prompts, chunks over a long cached context, decodes mixed with a chunk.
 - kv_write: write_kv_cache for a 8k-token prefill and a 64-token decode step.
+- sdpa: one fresh prompt (nothing cached) of 128 to 32k tokens through the paged kernel
+  and through PyTorch's fused attention (flash / memory-efficient, K/V heads repeated for
+  the group, as layers/attention.py runs long fresh prompts): the crossover that layer's
+  FUSED_PREFILL_MIN_TOKENS relies on.
 - sweep_decode, sweep_prefill: launch parameters of each path (`decode_config=`,
   `prefill_config=`), each checked against the defaults.
 Floors: max(bytes / copy rate, causal FLOP / bf16 rate); decode bytes are the K and V the
@@ -55,6 +59,7 @@ SECTIONS = (
     "decode",
     "prefill",
     "kv_write",
+    "sdpa",
     "sweep_decode",
     "sweep_prefill",
 )
@@ -261,6 +266,33 @@ def kv_write() -> None:
         )
 
 
+def sdpa() -> None:
+    if DEV.type != "cuda":
+        log("sdpa: no GPU (the fused kernels are CUDA only), skipped")
+        return
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for L in (128, 256, 512, 1024, 2048, 4096, 8192, 32768):
+        b = make_batch([0], [L])
+        q = b["q"]
+        k = torch.randn(L, KVH, DH, device=DEV).to(q.dtype)
+        v = torch.randn_like(k)
+
+        def fused(q=q, k=k, v=v) -> torch.Tensor:
+            kr, vr = (t.repeat_interleave(H // KVH, dim=1) for t in (k, v))
+            qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, kr, vr))
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=DH**-0.5)
+
+        paged_ms = timed_ms(lambda b=b: call(paged_attention_triton, b))
+        fused_ms = timed_ms(fused)
+        record_time(f"sdpa fresh prompt {L} tokens: paged kernel", paged_ms, floor(b))
+        record_time(f"sdpa fresh prompt {L} tokens: torch fused", fused_ms, floor(b))
+        log(f"     fused / paged at {L} tokens: {fused_ms / paged_ms:.2f}")
+        del b
+
+
 def sweep_point(label: str, b: dict[str, Any], expected: torch.Tensor, graphed: bool, **kw):
     fn = lambda: call(paged_attention_triton, b, **kw)  # noqa: E731
     try:
@@ -324,6 +356,7 @@ def main() -> None:
         decode=decode,
         prefill=prefill,
         kv_write=kv_write,
+        sdpa=sdpa,
         sweep_decode=sweep_decode,
         sweep_prefill=sweep_prefill,
     )
