@@ -527,11 +527,15 @@ def decode_launch_config(
         "num_warps": 4,
         "num_stages": 2,
     }
-    cfg = launch_config("paged_attention decode", default, config)
-    if cfg["block_m"] < heads_per_kv or cfg["block_m"] < 16 or cfg["block_n"] < 16:
+    return _checked_rows("decode", launch_config("paged_attention", default, config), heads_per_kv)
+
+
+def _checked_rows(path: str, cfg: dict[str, Any], heads_per_kv: int) -> dict[str, Any]:
+    """`cfg` if its tiles can hold a KV head's query group (tl.dot needs dims >= 16)."""
+    if cfg["block_m"] < max(16, heads_per_kv) or cfg["block_n"] < 16:
         raise ValueError(
-            f"paged_attention decode: block_m must be at least the query heads per KV head "
-            f"({heads_per_kv}) and 16, block_n at least 16, got {cfg}"
+            f"paged_attention {path}: block_m must be at least 16 and the query heads per KV "
+            f"head ({heads_per_kv}), block_n at least 16, got {cfg}"
         )
     return cfg
 
@@ -542,8 +546,7 @@ def prefill_launch_config(
     """Launch parameters of the prefill path, `config` overriding the defaults: about 128
     rows of (query, head) per program.
 
-    block_m: rows of the dots, a multiple of heads_per_kv (block_q = block_m //
-        heads_per_kv queries per program).
+    block_m: rows of the dots (block_q = block_m // heads_per_kv queries per program).
     block_n: keys per tile. num_warps, num_stages: Triton launch options.
 
     Head dims up to 128 (H200, 32/8 heads of 128, bf16): 128 rows, 64-key tiles, 8 warps
@@ -558,12 +561,7 @@ def prefill_launch_config(
     else:
         block_m = max(64, next_pow2(heads_per_kv))
         default = {"block_m": block_m, "block_n": 32, "num_warps": 8, "num_stages": 2}
-    cfg = launch_config("paged_attention prefill", default, config)
-    if cfg["block_m"] < heads_per_kv or cfg["block_m"] < 16 or cfg["block_n"] < 16:
-        raise ValueError(
-            f"paged_attention prefill: block_m must be at least the query heads per KV head "
-            f"({heads_per_kv}) and 16, block_n at least 16, got {cfg}"
-        )
+    cfg = _checked_rows("prefill", launch_config("paged_attention", default, config), heads_per_kv)
     return {**cfg, "block_q": cfg["block_m"] // heads_per_kv}
 
 

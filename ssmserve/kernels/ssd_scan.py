@@ -614,8 +614,8 @@ def scan_launch_config(
 
     The defaults are the fastest measured on the H200 at Bamba-9B dims
     (benchmarks/results/ssd_2026-11-30b_h200.md): for 16-bit inputs, 8 warps held to 128
-    registers (two programs, 16 warps per SM); float32 inputs keep 4 warps and no cap,
-    because their IEEE dots spill at 128.
+    registers (two programs, 16 warps per SM); float32 inputs keep 4 warps and no cap:
+    their IEEE dots would spill at 128.
     """
     sixteen_bit = dtype != torch.float32
     default = {
@@ -782,7 +782,7 @@ def _scan_chunks(
     cfg: dict[str, Any],
 ) -> None:
     """Launches 2 and 3 of the Triton-language scan, after `_chunk_layout` (launch 1)."""
-    T, H, P = x.shape
+    H, P = x.shape[1:]
     G, N = B.shape[1:]
     dots = _dot_config(x.dtype)
     block, block_t = cfg["block"], cfg["block_t"]
