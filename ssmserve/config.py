@@ -10,12 +10,13 @@ from dataclasses import dataclass, field, fields
 from importlib import resources
 from typing import Any
 
+from ssmserve.kernels import BACKENDS as KERNEL_BACKENDS
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "ssmserve-bamba-tiny"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 STATE_DTYPES = ("float32", "bfloat16", "float16", "auto")
-KERNEL_BACKENDS = ("auto", "triton", "torch")
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -176,7 +177,8 @@ class EngineConfig:
     )
     kernel_backend: str = _flag(
         "auto",
-        "auto = Triton kernels on CUDA, PyTorch reference ops on CPU",
+        "auto = PyTorch reference ops on CPU; on CUDA hopper (Triton + the Gluon SSD scan) "
+        "on sm_90, else triton (docs/kernels.md)",
         choices=KERNEL_BACKENDS,
     )
     load_format: str = _flag(
