@@ -6,7 +6,8 @@
 For each batch size and workload (greedy; sampled with top-k/top-p; seeded; a mixed batch;
 penalties over 1024 prompt + 512 output ids per row; greedy with 5 logprobs) it prints the
 median wall time of a whole call (the host pass, the one upload, the device work and the
-one copy back, which waits for the device) and of the host pass alone.
+one copy back, which waits for the device), of the host pass alone, and on CUDA the number
+of host-device synchronisations in one call (1 expected: the copy back).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import random
 import statistics
 import time
+import warnings
 from functools import partial
 
 import torch
@@ -59,6 +61,21 @@ def _median_ms(fn, iters: int, device: torch.device) -> float:
     return statistics.median(times) * 1e3
 
 
+def _count_syncs(fn, device: torch.device) -> int | str:
+    """Host-device synchronisations in one call (CUDA only): the copy of the results back
+    is one; anything more is a stall on the hot path."""
+    if device.type != "cuda":
+        return "-"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -80,7 +97,8 @@ def main() -> None:
         logits = torch.randn(batch, args.vocab, device=device, generator=generator) * 3
         for workload in args.workloads:
             rows = _rows(workload, batch, args.vocab)
-            call = _median_ms(partial(sampler, logits, rows, generator), args.iters, device)
+            call_fn = partial(sampler, logits, rows, generator)
+            call = _median_ms(call_fn, args.iters, device)
             host_pass = partial(_Batch, rows, args.vocab, batch, None)
             host = _median_ms(host_pass, args.iters, device)
             results.append(
@@ -90,6 +108,7 @@ def main() -> None:
                     "workload": workload,
                     "call_ms": round(call, 3),
                     "host_pass_ms": round(host, 3),
+                    "syncs": _count_syncs(call_fn, device),
                 }
             )
     print_table(results)

@@ -76,7 +76,9 @@ class _Packed:
     def upload(self, device: torch.device) -> dict[str, torch.Tensor]:
         if not self.data:
             return {}
-        buf = torch.frombuffer(self.data, dtype=torch.float64).to(device)
+        # non_blocking: CUDA stages pageable memory before returning, without waiting for
+        # the work already queued on the device (the forward that made the logits).
+        buf = torch.frombuffer(self.data, dtype=torch.float64).to(device, non_blocking=True)
         return {
             name: buf[a:b] if width == 1 else buf[a:b].view(-1, width)
             for name, (a, b, width) in self.spans.items()
@@ -192,7 +194,8 @@ class _Batch:
     def upload(self, device: torch.device) -> dict[str, torch.Tensor]:
         dev = self._packed.upload(device)
         if self._penalty_ids:
-            dev["penalty_ids"] = torch.frombuffer(self._penalty_ids, dtype=torch.int64).to(device)
+            ids = torch.frombuffer(self._penalty_ids, dtype=torch.int64)
+            dev["penalty_ids"] = ids.to(device, non_blocking=True)
         return dev
 
 
@@ -257,14 +260,13 @@ def _thresholds(scaled: torch.Tensor, batch: _Batch, dev: dict[str, torch.Tensor
     index = spec[:, 0].long()
     top_k = spec[:, 1].long()[:, None]
     x = _rows(scaled, index)
-    neg_inf = torch.tensor(float("-inf"), device=x.device)
     if batch.any_top_p or batch.max_top_k:
         if batch.full_sort:
             ordered = x.sort(dim=-1, descending=True).values
         else:
             ordered = x.topk(batch.max_top_k, dim=-1).values
         kth = ordered.gather(1, top_k.clamp(min=1) - 1)
-        threshold = torch.where(top_k > 0, kth, neg_inf)
+        threshold = torch.where(top_k > 0, kth, float("-inf"))
         if batch.any_top_p:
             ordered = ordered.masked_fill(ordered < threshold, float("-inf"))
             probs = ordered.softmax(-1)
@@ -272,10 +274,10 @@ def _thresholds(scaled: torch.Tensor, batch: _Batch, dev: dict[str, torch.Tensor
             top_p = spec[:, 2:3].float()
             kept = (mass_before < top_p).sum(-1, keepdim=True)
             cutoff = ordered.gather(1, kept - 1)
-            threshold = torch.maximum(threshold, torch.where(top_p < 1, cutoff, neg_inf))
+            threshold = torch.maximum(threshold, torch.where(top_p < 1, cutoff, float("-inf")))
         top = ordered[:, :1]
     else:
-        threshold = neg_inf.expand(x.shape[0], 1)
+        threshold = torch.full((x.shape[0], 1), float("-inf"), device=x.device)
         top = x.amax(-1, keepdim=True)
     threshold = torch.maximum(threshold, top + spec[:, 3:4].float().log()).squeeze(1)
     if batch.num_filters == batch.num_rows:
@@ -304,26 +306,27 @@ def _row_key(fields: torch.Tensor, salt: int) -> torch.Tensor:
     return key
 
 
-def _seeded_exponentials(fields: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[S, vocab] float32 Exp(1) draws; row s, token v is a function of v and of fields[s]
-    (int64: seed high 32 bits, seed low 32 bits, sample index, output position) only."""
+def _seeded_log_exponentials(fields: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[S, vocab] float32 log E with E ~ Exp(1); row s, token v is a function of v and of
+    fields[s] (int64: seed high 32 bits, seed low 32 bits, sample index, output position)
+    only."""
     multiplier = (_row_key(fields, 0x5EED) & 0x7FFFFFFF) | 1
     offset = _row_key(fields, 0xC0FFEE)
     token = torch.arange(vocab, device=fields.device, dtype=torch.int64)
     counter = token[None, :] * multiplier[:, None]
     counter += offset[:, None]
     counter &= _MASK32
-    uniform = (_mix32(counter).float() + 0.5).mul_(2.0**-32).clamp_(max=_MAX_UNIFORM)
-    return uniform.neg_().log1p_().neg_()
+    # -w for w = (u + 1/2) / 2^32 in (0, 1), kept above -1 so that E = -log1p(-w) is finite.
+    neg_w = _mix32(counter).float().mul_(-(2.0**-32)).sub_(2.0**-33).clamp_(min=-_MAX_UNIFORM)
+    return neg_w.log1p_().neg_().log_()
 
 
-def _subtract_log(scores: torch.Tensor, index: torch.Tensor, noise: torch.Tensor) -> None:
-    """scores[index] -= log(noise), in place (noise is overwritten)."""
-    log_noise = noise.log_()
+def _subtract_rows(scores: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """scores[index] -= values, in place."""
     if index.numel() == scores.shape[0]:
-        scores -= log_noise
+        scores -= values
     else:
-        scores.index_add_(0, index, log_noise, alpha=-1)
+        scores.index_add_(0, index, values, alpha=-1)
 
 
 def _adjusted(raw: torch.Tensor, batch: _Batch, dev: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -332,7 +335,7 @@ def _adjusted(raw: torch.Tensor, batch: _Batch, dev: dict[str, torch.Tensor]) ->
     if batch.num_bans:
         z = z.clone() if z is raw else z
         bans = dev["bans"].long()
-        z.index_put_((bans[:, 0], bans[:, 1]), torch.tensor(float("-inf"), device=z.device))
+        z.index_put_((bans[:, 0], bans[:, 1]), torch.full((), float("-inf"), device=z.device))
     return z
 
 
@@ -357,10 +360,10 @@ def _draw(
     if batch.num_unseeded:
         noise = torch.empty(batch.num_unseeded, vocab, dtype=scores.dtype, device=scores.device)
         noise.exponential_(generator=generator).clamp_(min=torch.finfo(scores.dtype).tiny)
-        _subtract_log(scores, dev["unseeded"].long(), noise)
+        _subtract_rows(scores, dev["unseeded"].long(), noise.log_())
     if batch.num_seeded:
         spec = dev["seeded"].long()
-        _subtract_log(scores, spec[:, 0], _seeded_exponentials(spec[:, 1:], vocab))
+        _subtract_rows(scores, spec[:, 0], _seeded_log_exponentials(spec[:, 1:], vocab))
     return scores.argmax(-1)
 
 
@@ -406,23 +409,22 @@ class Sampler:
     ) -> SamplerOutput:
         """Logprobs, ranks and top alternatives, and one device-to-host copy of them all."""
         num_rows = batch.num_rows
-        lse = raw.logsumexp(-1)
-        chosen_raw = raw.gather(1, chosen[:, None]).squeeze(1)
-        pieces = [chosen.double(), (chosen_raw - lse).double()]
+        logprobs = raw.log_softmax(-1)
+        chosen_lp = logprobs.gather(1, chosen[:, None]).squeeze(1)
+        pieces = [chosen.double(), chosen_lp.double()]
         num_lp = len(batch.lp_rows)
         max_k = max(batch.lp_counts, default=0)
         if num_lp:
             index = dev["lp_rows"].long()
-            x = _rows(raw, index)
-            ranks = (x > _rows(chosen_raw, index)[:, None]).sum(-1) + 1
+            x = _rows(logprobs, index)
+            ranks = (x > _rows(chosen_lp, index)[:, None]).sum(-1, dtype=torch.int32) + 1
             pieces.append(ranks.double())
             if max_k:
                 top = x.topk(max_k, dim=-1)
-                top_lps = top.values - _rows(lse, index)[:, None]
-                pieces += [top.indices.double().flatten(), top_lps.double().flatten()]
+                pieces += [top.indices.double().flatten(), top.values.double().flatten()]
         host = torch.cat(pieces).tolist()
         token_ids = [int(t) for t in host[:num_rows]]
-        logprobs = host[num_rows : 2 * num_rows]
+        chosen_logprobs = host[num_rows : 2 * num_rows]
         ranks_out: list[int | None] = [None] * num_rows
         top_ids: list[list[int]] = [[] for _ in range(num_rows)]
         top_logprobs: list[list[float]] = [[] for _ in range(num_rows)]
@@ -434,4 +436,4 @@ class Sampler:
             start = j * max_k
             top_ids[i] = [int(t) for t in host[ids_at + start : ids_at + start + k]]
             top_logprobs[i] = host[lps_at + start : lps_at + start + k]
-        return SamplerOutput(token_ids, logprobs, ranks_out, top_ids, top_logprobs)
+        return SamplerOutput(token_ids, chosen_logprobs, ranks_out, top_ids, top_logprobs)
