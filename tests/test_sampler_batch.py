@@ -179,14 +179,9 @@ def test_draws_follow_the_reference_distribution(setting, seeded):
 
 
 def test_seeded_noise_is_exponential_and_independent_across_keys():
-    n_rows = 2000
+    seeds, indices, positions = (0, 1, 2**40 + 7, 2**64 - 1), (0, 1), range(250)
     fields = torch.tensor(
-        [
-            [s >> 32, s & 0xFFFFFFFF, i, pos]
-            for s in (0, 1, 2**40 + 7, 2**64 - 1)
-            for i in (0, 1)
-            for pos in range(n_rows // 8)
-        ]
+        [[s >> 32, s & 0xFFFFFFFF, i, pos] for s in seeds for i in indices for pos in positions]
     )
     e = _seeded_log_exponentials(fields, VOCAB).double().exp()
     assert torch.isfinite(e).all() and (e > 0).all()
@@ -195,14 +190,18 @@ def test_seeded_noise_is_exponential_and_independent_across_keys():
     empirical = torch.arange(1, n + 1, dtype=torch.float64) / n
     ks = (empirical - (1 - torch.exp(-flat))).abs().max().item()
     assert ks < 2.23 / n**0.5, ks  # Kolmogorov-Smirnov at a false-alarm rate of 1e-4
-    u = 1 - torch.exp(-e)  # back to uniforms, to test correlation between keys
-    for a, b in [(0, 1), (0, n_rows // 8), (0, n_rows // 4)]:  # next position, index, seed
-        x, y = u[a :: n_rows // 2][:200].flatten(), u[b :: n_rows // 2][:200].flatten()
-        corr = torch.corrcoef(torch.stack([x, y]))[0, 1].item()
-        assert abs(corr) < 5 / x.numel() ** 0.5, (a, b, corr)
-    # Neighbouring tokens of one row are not correlated either.
-    corr = torch.corrcoef(torch.stack([u[:, :-1].flatten(), u[:, 1:].flatten()]))[0, 1]
-    assert abs(corr.item()) < 5 / u[:, 1:].numel() ** 0.5
+    # Back to uniforms [seed, sample index, position, token]: neighbouring keys and tokens
+    # must not be correlated (a key part left out of the hash gives a correlation of 1).
+    u = (1 - torch.exp(-e)).view(len(seeds), len(indices), len(positions), VOCAB)
+    pairs = {
+        "next position": (u[:, :, :-1], u[:, :, 1:]),
+        "other sample index": (u[:, 0], u[:, 1]),
+        "next seed": (u[:-1], u[1:]),
+        "next token": (u[..., :-1], u[..., 1:]),
+    }
+    for name, (x, y) in pairs.items():
+        corr = torch.corrcoef(torch.stack([x.flatten(), y.flatten()]))[0, 1].item()
+        assert abs(corr) < 5 / x.numel() ** 0.5, (name, corr)
 
 
 def test_a_seeded_row_draws_the_same_token_alone_or_in_any_batch():
