@@ -353,13 +353,13 @@ class LLMEngine:
                 sample_rows.append(
                     SamplingRow(
                         group.params,
-                        sample.generator,
+                        sample.index,
                         group.prompt_token_ids,
                         chunk.request.output_token_ids,
                     )
                 )
-            index = torch.tensor([r for _, r in sample_chunks], device=logits.device)
-            sampler_out = self.sampler(logits[index], sample_rows)
+            logits_rows = [r for _, r in sample_chunks]
+            sampler_out = self.sampler(logits, sample_rows, self._generator, logits_rows)
             for i, (chunk, _) in enumerate(sample_chunks):
                 sampled[chunk.request.request_id] = sampler_out.token_ids[i]
         if prompt_spans:
@@ -392,16 +392,12 @@ class LLMEngine:
         if group.metrics.first_token_time is None:
             group.metrics.first_token_time = now
         group.metrics.last_token_time = now
-        lp = float(out.logprobs[i])
+        lp = out.logprobs[i]
         sample.cumulative_logprob += lp
         if sample.logprobs is not None:
-            k = group.params.logprobs or 0
-            top = (
-                (out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist())
-                if k and out.top_ids is not None
-                else ([], [])
+            sample.logprobs.append(
+                self._logprob_entry(token, lp, out.ranks[i], out.top_ids[i], out.top_logprobs[i])
             )
-            sample.logprobs.append(self._logprob_entry(token, lp, int(out.ranks[i]), *top))
         delta = sample.detokenizer.add(token)
         stops = group.params.stop
         if stops and not request.is_finished and delta:
