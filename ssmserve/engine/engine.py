@@ -50,7 +50,6 @@ class _Sample:
 
     index: int
     request: Request
-    generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float = 0.0
@@ -253,9 +252,6 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         for i in range(params.n):
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(self.device).manual_seed(params.seed + i)
             request = Request(
                 request_id if params.n == 1 else f"{request_id}#{i}",
                 ids,
@@ -267,7 +263,6 @@ class LLMEngine:
             sample = _Sample(
                 index=i,
                 request=request,
-                generator=generator or self._generator,
                 detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
                 logprobs=[] if params.logprobs is not None else None,
             )
