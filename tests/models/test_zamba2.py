@@ -104,8 +104,9 @@ def share_block_copies(path: str) -> None:
     weights = load_file(file)
     for u, layer in enumerate(hybrid[num_blocks:], start=num_blocks):
         first = f"model.layers.{hybrid[u % num_blocks]}.shared_transformer."
+        copy = f"model.layers.{layer}.shared_transformer."
         for name in [n for n in weights if n.startswith(first)]:
-            weights[f"model.layers.{layer}.shared_transformer.{name[len(first) :]}"] = weights[name].clone()
+            weights[copy + name[len(first) :]] = weights[name].clone()
     save_file(weights, file)
 
 
