@@ -146,6 +146,22 @@ def test_tensor_parallel_3(zamba2):
     check_tensor_parallel(zamba2("plain_gqa"), PROMPTS, size=3)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_decode_equals_eager_decode_on_the_gpu(zamba2):
+    path = zamba2("adapters_rope")
+    prompts = token_prompts(300, [1, 7, 30, 12, 5], seed=4)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=0)
+    kwargs = dict(device="cuda", dtype="float32", max_num_seqs=8, cache_memory=2**28)
+    eager = LLM(path, enforce_eager=True, **kwargs).generate(prompts, params)
+    llm = LLM(path, **kwargs)
+    assert llm.llm_engine.executor.runner.graphs is not None
+    for a, b in zip(eager, llm.generate(prompts, params), strict=True):
+        want, got = a.outputs[0], b.outputs[0]
+        assert got.token_ids == want.token_ids
+        for i, t in enumerate(want.token_ids):
+            assert abs(got.logprobs[i][t].logprob - want.logprobs[i][t].logprob) < 1e-3
+
+
 def test_each_use_of_a_shared_block_has_its_own_kv_cache(zamba2):
     """The K/V each hybrid depth holds equal transformers' cache for that depth, and two
     depths that run the same block hold different K/V."""
