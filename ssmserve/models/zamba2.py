@@ -11,8 +11,9 @@ never share K/V.
 
 Tensor parallelism: the block splits as Attention and GatedMLP do; a LoRA's A is
 replicated and its B split like the projection it adds to (exact, no communication);
-the per-depth hidden x hidden linear is replicated (splitting it would add an
-all-reduce per use, which costs more than reading it at decode).
+the per-depth hidden x hidden linear is replicated: reading it whole costs about 6 us
+per use at Zamba2-7B's size on an H200 (26 MB), less than the all-reduce per use that
+splitting it would add.
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ def hybrid_layer_ids(cfg) -> list[int]:
     return [i for i, kind in enumerate(kinds) if kind == "hybrid"]
 
 
+def _per_use(uses, make) -> nn.ModuleDict:
+    """One module per use of a shared block, keyed as the checkpoint's adapter lists."""
+    return nn.ModuleDict({str(u): make() for u in uses})
+
+
 class Zamba2Attention(Attention):
     """Attention over the 2 * hidden block input (head_dim = 2 * hidden / heads, scores
     scaled by (head_dim / 2) ** -0.5), out to hidden, with per-use q/k/v adapters."""
@@ -102,7 +108,9 @@ class Zamba2Attention(Attention):
             self.linear_k_adapter_list = _per_use(uses, lambda: LoRA(width, rank, [k]))
             self.linear_v_adapter_list = _per_use(uses, lambda: LoRA(width, rank, [v]))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, use: int):
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache, use: int
+    ) -> torch.Tensor:
         if not self.adapted:
             return super().forward(x, batch, cache)
         u = str(use)
@@ -131,10 +139,6 @@ class Zamba2MLP(GatedMLP):
 
     def forward(self, x: torch.Tensor, use: int) -> torch.Tensor:
         return super().forward(x, gate_up_delta=self.gate_up_proj_adapter_list[str(use)](x))
-
-
-def _per_use(uses, make) -> nn.ModuleDict:
-    return nn.ModuleDict({str(u): make() for u in uses})
 
 
 class Zamba2SharedBlock(nn.Module):
@@ -253,8 +257,10 @@ class Zamba2ForCausalLM(CausalLM):
         )
         self.model.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = self.make_lm_head(cfg.vocab_size, cfg.hidden_size)
-        # A block's parameters are named at its first use (as the checkpoint stores them);
-        # a checkpoint that also stores the tied copies at later uses loads them there too.
+        # A block's parameters are named at its first use, as the checkpoint stores them.
+        # Copies stored at later uses load into the same block (the loader refuses copies
+        # that differ): transformers ties the blocks only when tie_word_embeddings is
+        # true, so an untied checkpoint it saved holds one copy per use.
         self._first_use_layer = {layer: hybrid[u % num_blocks] for layer, u in use_of.items()}
 
     def input_embeddings(self) -> VocabParallelEmbedding:

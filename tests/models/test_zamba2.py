@@ -1,5 +1,5 @@
-"""Zamba2ForCausalLM against transformers' full forward, the engine invariants, TP=1, and
-the rule that each use of a shared block has its own KV cache.
+"""Zamba2ForCausalLM against transformers' full forward, the engine invariants, TP=2 and
+TP=3 against TP=1, and the rule that each use of a shared block has its own KV cache.
 
 Two checkpoints, shapes not powers of two, each with two shared blocks used at more
 than two depths:
