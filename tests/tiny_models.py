@@ -131,6 +131,28 @@ def _hf_config(family: str, vocab_size: int, eos: int, **overrides):
             max_position_embeddings=4096,
         )
         cls = tf.LlamaConfig
+    elif family == "zamba2":
+        cfg = dict(
+            hidden_size=42,
+            intermediate_size=50,
+            num_hidden_layers=7,
+            layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid", "mamba", "hybrid"],
+            num_mem_blocks=2,
+            num_attention_heads=6,
+            num_key_value_heads=6,
+            use_shared_attention_adapter=True,
+            adapter_rank=5,
+            use_mem_rope=True,
+            n_mamba_heads=6,
+            mamba_expand=2,
+            mamba_ngroups=2,
+            mamba_d_state=6,
+            mamba_d_conv=4,
+            chunk_size=16,
+            tie_word_embeddings=True,
+            max_position_embeddings=4096,
+        )
+        cls = tf.Zamba2Config
     else:
         raise ValueError(f"unknown family {family!r}")
     cfg.update(common)
@@ -175,6 +197,7 @@ def make_tiny_checkpoint(path: str, family: str = "bamba", seed: int = 0, **over
         "mamba": tf.MambaForCausalLM,
         "falcon_mamba": tf.FalconMambaForCausalLM,
         "llama": tf.LlamaForCausalLM,
+        "zamba2": tf.Zamba2ForCausalLM,
     }[family]
     torch.manual_seed(seed)
     model = arch(config)
