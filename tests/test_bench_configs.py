@@ -28,6 +28,7 @@ PUBLISHED = {
     "mamba2-2.7b": ("Mamba2ForCausalLM", 2.7e9),
     "mamba-2.8b": ("MambaForCausalLM", 2.8e9),
     "codestral-mamba-7b": ("Mamba2ForCausalLM", 7.3e9),
+    "zamba2-7b": ("Zamba2ForCausalLM", 7.4e9),
 }
 
 
