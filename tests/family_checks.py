@@ -10,6 +10,8 @@ seed, `save_pretrained`) and calls these:
 - `check_engine_invariants`: any token budget down to 1, batch composition and arrival
   order, forced preemption (attention models), abort; nothing allocated afterwards.
 - `check_tensor_parallel`: TP=size equals TP=1 (tokens, logprobs within float32 noise).
+- `check_triton_matches_torch`: the Triton kernels (under TRITON_INTERPRET=1 on CPU) give
+  the PyTorch twins' tokens and logprobs, with chunked prefill and decode in a batch.
 """
 
 from __future__ import annotations
@@ -138,3 +140,16 @@ def check_tensor_parallel(path: str, prompts: list[str], size: int = 2) -> None:
         assert_idle(llm)
     finally:
         llm.llm_engine.shutdown()
+
+
+def check_triton_matches_torch(path: str, prompts: list[str], max_tokens: int = 4) -> None:
+    """Set TRITON_INTERPRET=1 first on CPU (the interpreter is slow: keep this short)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0, ignore_eos=True)
+    ref = LLM(path, device="cpu", kernel_backend="torch").generate(prompts, params)
+    llm = LLM(path, device="cpu", kernel_backend="triton", max_num_batched_tokens=5)
+    for r, g in zip(ref, llm.generate(prompts, params), strict=True):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        for i, t in enumerate(r.outputs[0].token_ids):
+            a, b = r.outputs[0].logprobs[i][t].logprob, g.outputs[0].logprobs[i][t].logprob
+            assert abs(a - b) < LOGPROB_TOL, (i, a, b)
+    assert_idle(llm)
