@@ -1,7 +1,7 @@
 """Checks every model family passes, against independent references (CPU, float32).
 
 A family's test file builds its tiny checkpoints (tests/tiny_models.py style: fixed
-seed, `save_pretrained`) and calls these:
+seed, `save_pretrained`; `tiny_checkpoints` in a module-scoped fixture) and calls these:
 
 - `check_matches_transformers`: greedy tokens equal a greedy loop over transformers'
   *full forward* (no KV/state cache, so HF's cached decode path cannot hide or add
@@ -17,12 +17,28 @@ seed, `save_pretrained`) and calls these:
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 
 from ssmserve import LLM, SamplingParams
+from tests.tiny_models import make_tiny_checkpoint
 
 LOGPROB_TOL = 1e-4
+
+
+def tiny_checkpoints(tmp_path_factory, family: str, variants: dict[str, dict]) -> Callable:
+    """checkpoint(name) -> folder of the tiny `family` checkpoint with the config overrides
+    variants[name], built on first use (seed 0)."""
+    built: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            path = str(tmp_path_factory.mktemp(f"{family}_{name}"))
+            built[name] = make_tiny_checkpoint(path, family, seed=0, **variants[name])
+        return built[name]
+
+    return get
 
 
 def hf_model(path: str):

@@ -22,7 +22,13 @@ from ssmserve.layers.mamba2_mixer import Mamba2Mixer
 from ssmserve.layers.mlp import GatedMLP
 from ssmserve.layers.norm import RMSNorm
 from ssmserve.layers.rotary import RotaryEmbedding
-from ssmserve.models.base import GATE_UP_RULES, QKV_RULES, CausalLM, ModelContext
+from ssmserve.models.base import (
+    GATE_UP_RULES,
+    QKV_RULES,
+    CausalLM,
+    ModelContext,
+    bamba_style_mamba2,
+)
 
 
 def _scaled(x: torch.Tensor, multiplier: float) -> torch.Tensor:
@@ -58,21 +64,9 @@ class FalconH1MLP(GatedMLP):
 
 def _mamba(cfg, ctx: ModelContext) -> Mamba2Mixer:
     width = cfg.mamba_n_heads * cfg.mamba_d_head  # mamba_d_ssm, as the config checks
-    return Mamba2Mixer(
-        hidden_size=cfg.hidden_size,
-        num_heads=cfg.mamba_n_heads,
-        head_dim=cfg.mamba_d_head,
-        state_size=cfg.mamba_d_state,
-        n_groups=cfg.mamba_n_groups,
-        conv_kernel=cfg.mamba_d_conv,
-        chunk_size=cfg.mamba_chunk_size,
-        norm_eps=cfg.rms_norm_eps,
-        ops=ctx.ops,
-        tp=ctx.tp,
-        activation=cfg.hidden_act,
-        time_step_limit=tuple(cfg.time_step_limit),
-        use_bias=cfg.mamba_proj_bias,
-        use_conv_bias=cfg.mamba_conv_bias,
+    return bamba_style_mamba2(
+        cfg,
+        ctx,
         norm_group_size=width // cfg.mamba_n_groups,
         norm_before_gate=cfg.mamba_norm_before_gate,
         gated_norm=cfg.mamba_rms_norm,

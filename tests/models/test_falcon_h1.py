@@ -19,8 +19,8 @@ from tests.family_checks import (
     check_matches_transformers,
     check_tensor_parallel,
     check_triton_matches_torch,
+    tiny_checkpoints,
 )
-from tests.tiny_models import make_tiny_checkpoint
 
 VARIANTS: dict[str, dict] = {
     "gate_then_norm": dict(vocab_size=389),
@@ -43,15 +43,7 @@ PROMPTS = ["def hello(name):\n    return", "import os", "x"]
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    cache: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in cache:
-            path = str(tmp_path_factory.mktemp(f"falcon_h1_{name}"))
-            cache[name] = make_tiny_checkpoint(path, "falcon_h1", seed=0, **VARIANTS[name])
-        return cache[name]
-
-    return get
+    return tiny_checkpoints(tmp_path_factory, "falcon_h1", VARIANTS)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -17,6 +17,7 @@ from tests.family_checks import (
     check_matches_transformers,
     check_tensor_parallel,
     check_triton_matches_torch,
+    tiny_checkpoints,
 )
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -40,15 +41,7 @@ PROMPTS = ["def hello(name):\n    return", "import os", "x"]
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    cache: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in cache:
-            path = str(tmp_path_factory.mktemp(f"nemotron_h_{name}"))
-            cache[name] = make_tiny_checkpoint(path, "nemotron_h", seed=0, **VARIANTS[name])
-        return cache[name]
-
-    return get
+    return tiny_checkpoints(tmp_path_factory, "nemotron_h", VARIANTS)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
