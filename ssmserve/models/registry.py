@@ -11,6 +11,8 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "BambaForCausalLM": ("bamba", "BambaForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "Zamba2ForCausalLM": ("zamba2", "Zamba2ForCausalLM"),
+    "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
+    "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
 }
 
 
