@@ -20,6 +20,7 @@ CASES = {
     # 3 layers over 2 stages: two Mamba2 layers (no attention) and one attention layer
     # (no SSM layer)
     "bamba_3_layers": ("bamba", dict(num_hidden_layers=3, attn_layer_indices=[2])),
+    "bamba": ("bamba", {}),
     "mamba": ("mamba", {}),
     "mamba2": ("mamba2", {}),
     "llama": ("llama", dict(num_hidden_layers=3)),
@@ -44,8 +45,12 @@ def pp_checkpoint(tmp_path_factory):
     ("name", "pp", "partition"),
     [
         ("bamba_3_layers", 2, "2,1"),
+        ("bamba", 3, None),
+        ("mamba", 2, None),
         ("mamba", 3, None),
         ("mamba2", 2, None),
+        ("mamba2", 3, None),
+        ("llama", 2, None),
         ("llama", 3, None),
     ],
 )
