@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from ssmserve.config import EngineConfig, add_engine_args
-from ssmserve.server.api import DEFAULT_MAX_BODY_BYTES
+from ssmserve.server.app import DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Load the engine, then serve until SIGINT/SIGTERM; return the exit code."""
     import uvicorn
 
-    from ssmserve.server.api import build_app
+    from ssmserve.server.app import build_app
     from ssmserve.server.async_engine import AsyncLLMEngine
 
     if args.model_tag and args.model and args.model_tag != args.model:

@@ -17,7 +17,7 @@ import uvicorn
 
 from ssmserve.config import EngineConfig
 from ssmserve.engine.engine import LLMEngine
-from ssmserve.server.api import build_app
+from ssmserve.server.app import build_app
 from ssmserve.server.async_engine import AsyncLLMEngine
 
 MODEL_NAME = "tiny-bamba"

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from ssmserve.server.api import build_app
+from ssmserve.server.app import build_app
 from ssmserve.server.async_engine import AsyncLLMEngine
 from ssmserve.server.cli import add_serve_args
 from tests.server.conftest import MODEL_NAME, ServerThread, free_port, make_engine
