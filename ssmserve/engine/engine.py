@@ -15,6 +15,7 @@ from ssmserve.config import (
     DEFAULT_MODEL_NAME,
     EngineConfig,
     ModelConfig,
+    load_tokenizer,
     resolve_model_path,
     resolve_torch_dtype,
 )
@@ -36,6 +37,20 @@ DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
 
 class InvalidRequestError(ValueError):
     """A request the engine cannot take; the message says what to change."""
+
+
+class RequestFailedError(RuntimeError):
+    """Requests failed inside a step. They are gone (blocks and slots freed); every other
+    request went on, and the step's other outputs are in `outputs`.
+
+    `failures` maps each failed request id to its exception.
+    """
+
+    def __init__(self, failures: dict[str, Exception], outputs: list[RequestOutput]) -> None:
+        detail = "; ".join(f"{rid}: {type(e).__name__}: {e}" for rid, e in failures.items())
+        super().__init__(f"{len(failures)} request(s) failed: {detail}")
+        self.failures = failures
+        self.outputs = outputs
 
 
 @dataclass
@@ -100,9 +115,7 @@ class LLMEngine:
             and not (torch.cuda.is_bf16_supported())
         ):
             raise RuntimeError("this GPU has no bfloat16 support; pass --dtype float16")
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
+        self.tokenizer = load_tokenizer(config.tokenizer or path)
         self.model = self._build_model(path)
         self._setup_caches()
         self.runner = ModelRunner(self.model, self.device, config.block_size)
@@ -327,7 +340,11 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and report requests that advanced."""
+        """Schedule, run the model once, sample, and report requests that advanced.
+
+        Raises RequestFailedError (with the other outputs) when some requests failed in
+        their own bookkeeping; the engine stays usable. Any other exception is fatal.
+        """
         plan = self.scheduler.schedule()
         if plan.is_empty:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -379,15 +396,26 @@ class LLMEngine:
             sampler_out = self.sampler(logits[index], sample_rows)
             for i, (chunk, _) in enumerate(sample_chunks):
                 sampled[chunk.request.request_id] = sampler_out.token_ids[i]
-        if prompt_spans:
-            self._record_prompt_logprobs(logits, prompt_spans)
+        failures: dict[str, Exception] = {}
+        for span in prompt_spans:
+            try:
+                self._record_prompt_logprobs(logits, [span])
+            except Exception as exc:  # noqa: BLE001 - fails that request only
+                self._fail_group(span[0], exc, failures)
 
         advanced = self.scheduler.update(plan, sampled)
         touched: dict[str, _Group] = {}
         positions = {c.request.request_id: i for i, (c, _) in enumerate(sample_chunks)}
         for request in advanced:
-            group, sample = self._owner[request.request_id]
-            self._on_token(group, sample, sampler_out, positions[request.request_id], now)
+            owner = self._owner.get(request.request_id)
+            if owner is None:
+                continue  # its group failed earlier in this step
+            group, sample = owner
+            try:
+                self._on_token(group, sample, sampler_out, positions[request.request_id], now)
+            except Exception as exc:  # noqa: BLE001 - fails that request only
+                self._fail_group(group, exc, failures)
+                continue
             touched[group.request_id] = group
         for group, *_ in prompt_spans:
             touched.setdefault(group.request_id, group)
@@ -395,10 +423,21 @@ class LLMEngine:
         for group in touched.values():
             if group.request_id not in self._groups:
                 continue
-            outputs.append(self._make_output(group))
+            try:
+                outputs.append(self._make_output(group))
+            except Exception as exc:  # noqa: BLE001 - fails that request only
+                self._fail_group(group, exc, failures)
+                continue
             if group.finished:
                 self._release_group(group)
+        if failures:
+            raise RequestFailedError(failures, outputs)
         return outputs
+
+    def _fail_group(self, group: _Group, exc: Exception, failures: dict[str, Exception]) -> None:
+        logger.error("request %s failed: %s: %s", group.request_id, type(exc).__name__, exc)
+        failures[group.request_id] = exc
+        self.abort_request(group.request_id)
 
     def _on_token(
         self, group: _Group, sample: _Sample, out: SamplerOutput, i: int, now: float
@@ -421,7 +460,11 @@ class LLMEngine:
             sample.logprobs.append(self._logprob_entry(token, lp, int(out.ranks[i]), *top))
         delta = sample.detokenizer.add(token)
         stops = group.params.stop
-        if stops and not request.is_finished and delta:
+        # A stop string completed by the last token max_tokens allows still ends the
+        # request as "stop": the length limit finished it already, the stop string wins.
+        # NOTE: finish_request on a request the length limit finished frees nothing twice.
+        checks_stops = request.status in (RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH)
+        if stops and checks_stops and delta:
             hit = find_stop(sample.detokenizer.text, len(delta), stops)
             if hit is not None:
                 idx, stop = hit

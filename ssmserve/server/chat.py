@@ -3,7 +3,8 @@ streaming."""
 
 from __future__ import annotations
 
-import asyncio
+import functools
+import inspect
 import time
 import uuid
 from typing import Any
@@ -12,6 +13,7 @@ from fastapi.responses import Response
 from starlette.requests import Request
 
 from ssmserve.outputs import CompletionOutput, RequestOutput
+from ssmserve.server.deadline import DeadlineExceeded, call_with_deadline
 from ssmserve.server.errors import bad_request
 from ssmserve.server.logprobs import chat_logprobs
 from ssmserve.server.protocol import (
@@ -41,18 +43,47 @@ class Chat:
 
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
+        # Names apply_chat_template takes for itself; as template variables they would
+        # change how it runs (tokenize=True, return_dict=True, ...).
+        signature = inspect.signature(ctx.tokenizer.apply_chat_template)
+        self._reserved = {
+            name
+            for name, p in signature.parameters.items()
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        }
 
-    def render(
+    async def render(
         self,
         messages: list[ChatMessage],
         *,
         add_generation_prompt: bool,
         continue_final_message: bool = False,
+        template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
-        """The prompt text and token ids of a conversation, through the chat template."""
+        """The prompt text and token ids of a conversation, through the model's chat
+        template or `template` (a request's, already allowed), on the worker pool."""
+        render = functools.partial(
+            self._render,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template=template,
+            template_kwargs=template_kwargs or {},
+        )
+        return await self.ctx.pool.run(render)
+
+    def _render(
+        self,
+        messages: list[ChatMessage],
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        template: str | None,
+        template_kwargs: dict[str, Any],
+    ) -> tuple[str, list[int]]:
         tokenizer = self.ctx.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
+        if template is None and not getattr(tokenizer, "chat_template", None):
             raise bad_request(
                 f"the model `{self.ctx.model_name}` has no chat template, so "
                 "/v1/chat/completions cannot turn messages into a prompt; use "
@@ -60,19 +91,53 @@ class Chat:
                 "messages",
             )
         conversation = [_flatten_content(m) for m in messages]
+        apply = functools.partial(
+            tokenizer.apply_chat_template,
+            conversation,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            **template_kwargs,
+        )
+        limit = self.ctx.options.chat_template_timeout
         try:
-            text = tokenizer.apply_chat_template(
-                conversation,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message,
-                **(template_kwargs or {}),
-            )
+            # The model's own template is trusted; a request's runs against the clock.
+            text = apply() if template is None else call_with_deadline(limit, apply)
+        except DeadlineExceeded:
+            raise bad_request(
+                f"the request's chat template ran longer than {limit:g} s "
+                "(--chat-template-timeout); send a simpler template",
+                "chat_template",
+            ) from None
         except Exception as exc:  # noqa: BLE001 - template errors describe bad messages
             message = f"the chat template rejected the messages: {exc}"
             raise bad_request(message, "messages") from exc
+        self.ctx.tokens.check_size(text, "messages")
         # The template already holds any BOS the model wants.
-        return text, tokenizer(text, add_special_tokens=False).input_ids
+        return text, self.ctx.tokens.encode(text, add_special_tokens=False)
+
+    def _template_of(self, req: ChatCompletionRequest) -> tuple[str | None, dict[str, Any]]:
+        """The request's own chat template (None: the model's) and the template variables;
+        400 for a request template the server does not trust, or a reserved variable."""
+        kwargs = dict(req.chat_template_kwargs or {})
+        nested = kwargs.pop("chat_template", None)
+        template = req.chat_template if req.chat_template is not None else nested
+        if template is not None and not self.ctx.options.trust_request_chat_template:
+            raise bad_request(
+                "this server does not run chat templates sent in requests (chat_template, "
+                "chat_template_kwargs.chat_template); leave them out to use the model's, or "
+                "start the server with --trust-request-chat-template",
+                "chat_template",
+            )
+        reserved = sorted(self._reserved & kwargs.keys())
+        if reserved:
+            raise bad_request(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: those are not "
+                "template variables",
+                "chat_template_kwargs",
+            )
+        return template, kwargs
 
     async def create(self, req: ChatCompletionRequest, raw: Request | None) -> Any:
         """A ChatCompletionResponse, an SSE response when `req.stream`, or 499 if the client
@@ -87,13 +152,14 @@ class Chat:
             )
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-        # In a worker thread: a long conversation must not stall every other stream.
-        prompt_text, prompt_ids = await asyncio.to_thread(
-            self.render,
+        ctx.check_limits(req)
+        template, template_kwargs = self._template_of(req)
+        prompt_text, prompt_ids = await self.render(
             req.messages,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            template_kwargs=req.chat_template_kwargs,
+            template=template,
+            template_kwargs=template_kwargs,
         )
         params = sampling_params(
             req,
@@ -165,7 +231,7 @@ class _Reply:
         return self.chunk_choice(
             ChatChunkChoice(
                 index=update.choice,
-                delta=DeltaMessage(content=update.new_text),
+                delta=DeltaMessage(content=update.new_text or None),  # {} at the finish
                 logprobs=self._logprobs(update.completion, update.start_token),
                 finish_reason=update.finish_reason,
                 stop_reason=update.completion.stop_reason,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -44,16 +45,28 @@ class Completions:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of is not supported (it must equal n)", "best_of")
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request(
+                "max_tokens must be at least 1 (0 is allowed with echo=true, to return the "
+                "prompt and its logprobs without generating)",
+                "max_tokens",
+            )
         prompts = completion_prompts(req.prompt)
+        ctx.check_limits(req, len(prompts))
+        echo_only = req.max_tokens == 0
         echo_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
         params = sampling_params(
-            req, max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=echo_logprobs
+            req,
+            # Scoring a prompt runs one step; the token it samples is not returned.
+            max_tokens=1 if echo_only else req.max_tokens,
+            logprobs=req.logprobs,
+            prompt_logprobs=echo_logprobs,
         )
-        engine_prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
+        engine_prompts = await asyncio.gather(*(self._engine_prompt(p) for p in prompts))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         timing = Timing(ctx.metrics)
-        streams = await ctx.add_requests(request_id, engine_prompts, params)
-        reply = _Reply(ctx, req, prompts, request_id, int(time.time()))
+        streams = await ctx.add_requests(request_id, list(engine_prompts), params)
+        reply = _Reply(ctx, req, prompts, request_id, int(time.time()), echo_only)
         if req.stream:
             state = StreamState(len(streams), req.n)
             events = sse_events(
@@ -70,6 +83,12 @@ class Completions:
             return Response(status_code=499)  # nobody is listening
         return reply.full(finals)
 
+    async def _engine_prompt(self, prompt: str | list[int]) -> dict[str, Any]:
+        if isinstance(prompt, str):
+            ids = await self.ctx.tokens.tokenize_prompt(prompt, "prompt")
+            return {"prompt": prompt, "prompt_token_ids": ids}
+        return {"prompt_token_ids": prompt}
+
 
 class _Reply:
     """Builds the response objects of one completion request."""
@@ -81,9 +100,11 @@ class _Reply:
         prompts: list[str | list[int]],
         request_id: str,
         created: int,
+        echo_only: bool,
     ) -> None:
         self.ctx = ctx
         self.req = req
+        self.echo_only = echo_only  # max_tokens=0: the prompt, none of the sampled token
         self.prompts = prompts
         self.request_id = request_id
         self.created = created
@@ -112,6 +133,8 @@ class _Reply:
 
         The `first` payload of a choice carries the echoed prompt."""
         req, tokenizer = self.req, self.ctx.tokenizer
+        if self.echo_only:
+            start_char, start_token = len(out.text), len(out.token_ids)
         text = out.text[start_char:]
         if req.echo and first:
             text = self._prompt_text(index, output) + text
@@ -162,16 +185,27 @@ class _Reply:
             self.offsets.get(update.choice, 0),
             first=update.first,
         )
-        choice = CompletionChoice(
-            index=update.choice,
-            text=text,
-            logprobs=logprobs,
-            finish_reason=update.finish_reason,
-            stop_reason=update.completion.stop_reason,
-        )
+        choice = self._choice(update.choice, text, logprobs, update.completion)
         return sse(self._response([choice], None), None if self.include_usage else {"usage"})
 
+    def _choice(
+        self, index: int, text: str, logprobs: CompletionLogprobs | None, out: CompletionOutput
+    ) -> CompletionChoice:
+        if self.echo_only and out.finish_reason is not None:
+            finish_reason, stop_reason = "length", None  # max_tokens=0 reached
+        else:
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        return CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+        )
+
     def usage_chunk(self, totals: UsageInfo) -> str:
+        if self.echo_only:
+            totals = usage(totals.prompt_tokens, 0)
         return sse(self._response([], totals))
 
     def full(self, finals: list[RequestOutput]) -> CompletionResponse:
@@ -179,17 +213,10 @@ class _Reply:
         for index, output in enumerate(finals):
             prompt_tokens += len(output.prompt_token_ids)
             for out in output.outputs:
-                completion_tokens += len(out.token_ids)
+                if not self.echo_only:
+                    completion_tokens += len(out.token_ids)
                 text, logprobs, _ = self._payload(index, output, out, 0, 0, 0, first=True)
-                choices.append(
-                    CompletionChoice(
-                        index=index * self.req.n + out.index,
-                        text=text,
-                        logprobs=logprobs,
-                        finish_reason=out.finish_reason,
-                        stop_reason=out.stop_reason,
-                    )
-                )
+                choices.append(self._choice(index * self.req.n + out.index, text, logprobs, out))
         return self._response(choices, usage(prompt_tokens, completion_tokens))
 
 

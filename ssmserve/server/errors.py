@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ssmserve.engine.engine import RequestFailedError
 from ssmserve.server.async_engine import EngineDeadError, RequestAbortedError
 from ssmserve.server.protocol import ErrorInfo, ErrorResponse
 
@@ -55,15 +56,23 @@ def error_info(exc: BaseException) -> ErrorInfo:
     """The OpenAI error fields of any exception, for an error event inside a stream."""
     if isinstance(exc, APIError):
         return exc.info
-    if isinstance(exc, EngineDeadError):
+    if isinstance(exc, (EngineDeadError, RequestFailedError)):
         return ErrorInfo(message=str(exc), type="server_error", code="internal_error")
+    if isinstance(exc, RequestAbortedError):
+        return ErrorInfo(message=str(exc), type="server_error", code="request_aborted")
     return ErrorInfo(message=f"{type(exc).__name__}: {exc}", type="server_error")
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable sentence per offending field; `param` is the first top-level field."""
+    errors = exc.errors()
+    if errors and errors[0].get("type") == "json_invalid":
+        # FastAPI puts the character offset where the field name would be.
+        where = errors[0].get("loc", ("body", "?"))[-1]
+        reason = (errors[0].get("ctx") or {}).get("error", "malformed JSON")
+        return f"the request body is not valid JSON: {reason} (at character {where})", None
     by_field: dict[str, list[dict[str, Any]]] = {}
-    for err in exc.errors():
+    for err in errors:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         by_field.setdefault(loc[0] if loc else "", []).append({**err, "loc": loc})
     parts = []
@@ -94,11 +103,17 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
+        response = error_response(APIError(exc.status_code, str(exc.detail), type=kind))
+        response.headers.update(exc.headers or {})  # 405 carries Allow
+        return response
 
     @app.exception_handler(RequestAbortedError)
     async def _on_aborted(request: Request, exc: RequestAbortedError) -> JSONResponse:
         return error_response(APIError(503, str(exc), type="server_error"))
+
+    @app.exception_handler(RequestFailedError)
+    async def _on_request_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
+        return error_response(server_error(str(exc)))
 
     @app.exception_handler(EngineDeadError)
     async def _on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:

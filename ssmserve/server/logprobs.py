@@ -28,7 +28,10 @@ def legacy_logprobs(
     offset: int,
     into: CompletionLogprobs,
 ) -> int:
-    """Append the completions-API logprobs of `token_ids` to `into`; return the next offset."""
+    """Append the completions-API logprobs of `token_ids` to `into`; return the next offset.
+
+    Each position's `top_logprobs` holds its `top_n` most likely tokens and the chosen one.
+    """
     for token_id, entry in zip(token_ids, positions, strict=False):
         if entry is None:  # the first prompt token has no logprob
             text = tokenizer.decode([token_id])
@@ -38,9 +41,11 @@ def legacy_logprobs(
             chosen = entry.get(token_id)
             text = token_text(token_id, chosen, tokenizer)
             into.token_logprobs.append(chosen.logprob if chosen is not None else None)
-            into.top_logprobs.append(
-                {token_text(t, lp, tokenizer): lp.logprob for t, lp in top_entries(entry, top_n)}
-            )
+            # The chosen token is always among them, as OpenAI documents: up to top_n + 1.
+            ranked = top_entries(entry, top_n)
+            if chosen is not None and all(t != token_id for t, _ in ranked):
+                ranked.append((token_id, chosen))
+            into.top_logprobs.append({token_text(t, lp, tokenizer): lp.logprob for t, lp in ranked})
         into.tokens.append(text)
         into.text_offset.append(offset)
         offset += len(text)

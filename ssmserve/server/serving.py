@@ -13,10 +13,17 @@ from starlette.requests import Request
 
 from ssmserve.outputs import RequestOutput
 from ssmserve.sampling_params import SamplingParams
-from ssmserve.server.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from ssmserve.server.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    RequestAbortedError,
+    RequestStream,
+)
 from ssmserve.server.errors import APIError, bad_request, server_error
 from ssmserve.server.metrics import ServerMetrics
+from ssmserve.server.options import ServerOptions
 from ssmserve.server.protocol import SamplingFields, UsageInfo
+from ssmserve.server.tokens import PromptTokenizer, WorkerPool
 
 _SAMPLING_PARAM_NAMES = {
     "n",
@@ -47,12 +54,14 @@ _OPTIONAL_SAMPLING_FIELDS = (
 
 
 class ServingContext:
-    """The engine and what the endpoints know about the served model."""
+    """The engine, the server's options, and what the endpoints know about the served
+    model. `close()` stops its tokenizer threads."""
 
     def __init__(
         self,
         async_engine: AsyncLLMEngine,
         served_model_name: str | Sequence[str] | None = None,
+        options: ServerOptions | None = None,
     ) -> None:
         if served_model_name is None:
             names = [async_engine.model_name]
@@ -65,6 +74,12 @@ class ServingContext:
         self.names = names
         self.model_name = names[0]  # the name reported in responses
         self.metrics = ServerMetrics(async_engine.stats)
+        self.options = options or ServerOptions()
+        self.pool = WorkerPool(self.options.tokenizer_pool_size, "ssmserve-tokenizer")
+        self.tokens = PromptTokenizer(self.tokenizer, self.pool, async_engine.max_model_len)
+
+    def close(self) -> None:
+        self.pool.close()
 
     @property
     def max_model_len(self) -> int:
@@ -80,15 +95,42 @@ class ServingContext:
                 code="model_not_found",
             )
 
-    def check_context_length(self, prompts: list[Any], max_tokens: int) -> None:
+    def check_limits(self, req: SamplingFields, num_prompts: int = 1) -> None:
+        """400 naming the limit when a request asks for more than the server allows."""
+        opts = self.options
+        if req.n > opts.max_n:
+            raise bad_request(
+                f"n is {req.n}, but this server allows at most {opts.max_n} samples per "
+                "request (--max-n)",
+                "n",
+            )
+        if num_prompts > opts.max_prompts_per_request:
+            raise bad_request(
+                f"the request has {num_prompts} prompts, but this server allows at most "
+                f"{opts.max_prompts_per_request} per request (--max-prompts-per-request)",
+                "prompt",
+            )
+        stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        if len(stops) > opts.max_stop_strings:
+            raise bad_request(
+                f"the request has {len(stops)} stop strings, but this server allows at most "
+                f"{opts.max_stop_strings} (--max-stop-strings)",
+                "stop",
+            )
+        longest = max((len(s) for s in stops), default=0)
+        if longest > opts.max_stop_string_length:
+            raise bad_request(
+                f"a stop string is {longest} characters long, but this server allows at most "
+                f"{opts.max_stop_string_length} (--max-stop-string-length)",
+                "stop",
+            )
+
+    def check_context_length(self, prompts: list[dict[str, Any]], max_tokens: int) -> None:
         """As OpenAI and vLLM do: 400 when prompt + max_tokens exceeds the context.
         (Prompts longer than the context on their own get the engine's message.)"""
         limit = self.max_model_len
         for prompt in prompts:
-            if isinstance(prompt, str):
-                n = len(self.tokenizer(prompt).input_ids)
-            else:
-                n = len(prompt["prompt_token_ids"])
+            n = len(prompt["prompt_token_ids"])
             if n < limit < n + max_tokens:
                 raise bad_request(
                     f"This model's maximum context length is {limit} tokens. However, you "
@@ -98,9 +140,10 @@ class ServingContext:
                 )
 
     async def add_requests(
-        self, request_id: str, prompts: list[Any], params: SamplingParams
+        self, request_id: str, prompts: list[dict[str, Any]], params: SamplingParams
     ) -> list[RequestStream]:
-        """Add one engine request per prompt; on any failure none of them stays."""
+        """Add one engine request per tokenized prompt (`{"prompt_token_ids": [...]}`, with
+        its "prompt" text if it has one); on any failure none of them stays."""
         if params.max_tokens is not None:
             self.check_context_length(prompts, params.max_tokens)
         streams: list[RequestStream] = []
@@ -112,7 +155,9 @@ class ServingContext:
             abort_all(streams)
             if isinstance(exc, ValueError):
                 raise bad_request(str(exc), "prompt") from exc
-            if isinstance(exc, Exception) and not isinstance(exc, (EngineDeadError, APIError)):
+            if isinstance(exc, Exception) and not isinstance(
+                exc, (EngineDeadError, RequestAbortedError, APIError)
+            ):
                 message = f"could not add the request: {type(exc).__name__}: {exc}"
                 raise server_error(message) from exc
             raise

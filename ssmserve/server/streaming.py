@@ -69,8 +69,12 @@ class StreamState:
     def updates(
         self, stream_index: int, output: RequestOutput, *, send_first: bool = False
     ) -> Iterator[ChoiceUpdate]:
-        """The choices of `output` with new tokens or a finish; with `send_first`, also each
-        choice that has sent nothing yet (an echoed prompt goes out before any token)."""
+        """The choices of `output` with new text or a finish; with `send_first`, also each
+        choice that has sent nothing yet (an echoed prompt goes out before any token).
+
+        A token that adds no text yet (part of a character, or text held back while it may
+        start a stop string) waits for the next update, which carries its logprobs too:
+        no chunk goes out empty, as OpenAI sends none."""
         self.prompt_tokens[stream_index] = len(output.prompt_token_ids)
         for out in output.outputs:
             choice = stream_index * self.n + out.index
@@ -79,7 +83,7 @@ class StreamState:
             first = choice not in self.sent_chars
             start_char = self.sent_chars.get(choice, 0)
             start_token = self.sent_tokens.get(choice, 0)
-            advanced = len(out.token_ids) > start_token or out.finish_reason is not None
+            advanced = len(out.text) > start_char or out.finish_reason is not None
             if not advanced and not (first and send_first):
                 continue
             self.sent_chars[choice] = len(out.text)

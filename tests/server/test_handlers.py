@@ -34,21 +34,21 @@ def test_stream_state_sends_each_choice_once_per_advance():
     state = StreamState(num_prompts=2, n=2)
     first = list(state.updates(1, _output(["a", ""], [1, 0], [False, False])))
     assert [(u.choice, u.new_text, u.start_token, u.first) for u in first] == [(2, "a", 0, True)]
-    # Nothing new for either choice: no update.
-    assert list(state.updates(1, _output(["a", ""], [1, 0], [False, False]))) == []
-    # With send_first, a choice that has sent nothing goes out even without tokens.
-    (echo,) = state.updates(1, _output(["a", ""], [1, 0], [False, False]), send_first=True)
-    assert (echo.choice, echo.first) == (3, True)
-    later = list(state.updates(1, _output(["abc", "x"], [3, 1], [True, False])))
+    # A token that adds no text yet waits: no update, and the next one starts before it.
+    assert list(state.updates(1, _output(["a", ""], [2, 1], [False, False]))) == []
+    # With send_first, a choice that has sent nothing goes out even without text.
+    (echo,) = state.updates(1, _output(["a", ""], [2, 1], [False, False]), send_first=True)
+    assert (echo.choice, echo.first, echo.new_text) == (3, True, "")
+    later = list(state.updates(1, _output(["abc", "x"], [3, 2], [True, False])))
     assert [(u.choice, u.new_text, u.start_token, u.first) for u in later] == [
         (2, "bc", 1, False),
-        (3, "x", 0, False),
+        (3, "x", 1, False),
     ]
     assert 2 in state.done
-    # A finished choice sends nothing more.
-    assert [u.choice for u in state.updates(1, _output(["abc", "xy"], [3, 2], [True, True]))] == [3]
+    # A finished choice sends nothing more; a finish goes out even without new text.
+    assert [u.choice for u in state.updates(1, _output(["abc", "x"], [3, 3], [True, True]))] == [3]
     totals = state.usage()
-    assert (totals.prompt_tokens, totals.completion_tokens) == (3, 5)  # prompt 1 only so far
+    assert (totals.prompt_tokens, totals.completion_tokens) == (3, 6)  # prompt 1 only so far
 
 
 def test_handlers_run_without_an_app(bamba_checkpoint):
