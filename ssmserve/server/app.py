@@ -103,7 +103,7 @@ def build_app(
             raise bad_request("send exactly one of `prompt` and `messages`", "prompt")
         if req.messages is not None:
             _, ids = await chat.render(
-                req.messages, add_generation_prompt=req.add_generation_prompt
+                req.messages, add_generation_prompt=req.add_generation_prompt, for_generation=False
             )
         else:
             ids = await ctx.tokens.tokenize(req.prompt, req.add_special_tokens)

@@ -60,9 +60,13 @@ class Chat:
         continue_final_message: bool = False,
         template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        for_generation: bool = True,
     ) -> tuple[str, list[int]]:
         """The prompt text and token ids of a conversation, through the model's chat
-        template or `template` (a request's, already allowed), on the worker pool."""
+        template or `template` (a request's, already allowed), on the worker pool.
+
+        `for_generation`: 400 without tokenizing when the text's size proves it cannot fit
+        the context (not for /tokenize, which counts tokens of any text)."""
         render = functools.partial(
             self._render,
             messages,
@@ -70,6 +74,7 @@ class Chat:
             continue_final_message=continue_final_message,
             template=template,
             template_kwargs=template_kwargs or {},
+            for_generation=for_generation,
         )
         return await self.ctx.pool.run(render)
 
@@ -81,6 +86,7 @@ class Chat:
         continue_final_message: bool,
         template: str | None,
         template_kwargs: dict[str, Any],
+        for_generation: bool,
     ) -> tuple[str, list[int]]:
         tokenizer = self.ctx.tokenizer
         if template is None and not getattr(tokenizer, "chat_template", None):
@@ -113,7 +119,8 @@ class Chat:
         except Exception as exc:  # noqa: BLE001 - template errors describe bad messages
             message = f"the chat template rejected the messages: {exc}"
             raise bad_request(message, "messages") from exc
-        self.ctx.tokens.check_size(text, "messages")
+        if for_generation:
+            self.ctx.tokens.check_size(text, "messages")
         # The template already holds any BOS the model wants.
         return text, self.ctx.tokens.encode(text, add_special_tokens=False)
 
@@ -161,6 +168,7 @@ class Chat:
             template=template,
             template_kwargs=template_kwargs,
         )
+        ctx.tokens.check_length(prompt_ids, "messages")
         params = sampling_params(
             req,
             max_tokens=req.max_completion_tokens or req.max_tokens,

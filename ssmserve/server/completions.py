@@ -87,6 +87,7 @@ class Completions:
         if isinstance(prompt, str):
             ids = await self.ctx.tokens.tokenize_prompt(prompt, "prompt")
             return {"prompt": prompt, "prompt_token_ids": ids}
+        self.ctx.tokens.check_length(prompt, "prompt")
         return {"prompt_token_ids": prompt}
 
 

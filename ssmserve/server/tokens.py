@@ -184,6 +184,19 @@ class PromptTokenizer:
                 param,
             )
 
+    def check_length(self, ids: list[int], param: str) -> None:
+        """400 if a tokenized prompt leaves no room to generate within the context.
+
+        The engine refuses it too; checked here, a huge prompt never travels to the engine
+        thread."""
+        if len(ids) >= self.max_model_len:
+            raise bad_request(
+                f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}, "
+                "and at least one token must be generated; shorten the prompt or raise "
+                "--max-model-len",
+                param,
+            )
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, as `tokenizer(text).input_ids` gives them (blocking)."""
         if self._fast is not None:
@@ -198,10 +211,12 @@ class PromptTokenizer:
         return await self.pool.run(self.encode, text, add_special_tokens)
 
     async def tokenize_prompt(self, text: str, param: str) -> list[int]:
-        """A prompt's ids (special tokens added); 400 without tokenizing when its size
-        proves it too long."""
+        """A prompt's ids (special tokens added); 400 when it is too long for the context,
+        without tokenizing it when its size proves that."""
         self.check_size(text, param)
-        return await self.tokenize(text)
+        ids = await self.tokenize(text)
+        self.check_length(ids, param)
+        return ids
 
     def info(self) -> dict[str, Any]:
         """GET /tokenizer_info: what a client needs to tokenize as the server does."""

@@ -1,0 +1,239 @@
+"""#18.2: prompts are tokenized once, off the event loop; a prompt whose size alone proves
+it too long is refused without tokenizing; /health answers meanwhile."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from ssmserve.server.app import build_app
+from ssmserve.server.async_engine import AsyncLLMEngine
+from ssmserve.server.tokens import PromptTokenizer, WorkerPool, max_bytes_per_token
+from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, ServerThread, make_engine
+
+HEALTH_BUDGET_S = 0.1
+
+
+class HealthProbe:
+    """Polls /health from a thread on one connection; records each answer's latency."""
+
+    def __init__(self, base_url: str) -> None:
+        self.url = base_url + "/health"
+        self.latencies: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=10) as http:
+            while not self._stop.is_set():
+                start = time.monotonic()
+                assert http.get(self.url).status_code == 200
+                self.latencies.append(time.monotonic() - start)
+                time.sleep(0.01)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        time.sleep(0.1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def _post_bytes(url: str, body: dict) -> tuple[httpx.Response, float]:
+    content = json.dumps(body).encode()  # encoded up front: the probe measures the server
+    start = time.monotonic()
+    r = httpx.post(url, content=content, headers={"content-type": "application/json"}, timeout=120)
+    return r, time.monotonic() - start
+
+
+def test_huge_prompt_is_refused_by_size_while_health_answers(server, engine):
+    per_token = max_bytes_per_token(engine.tokenizer)
+    assert per_token is not None  # a byte-level BPE: the size bound applies
+    prompt = "x = 1\n" * (10 * 2**20 // 6)  # 10 MiB
+    with HealthProbe(server.base_url) as probe:
+        r, took = _post_bytes(
+            server.base_url + "/v1/completions", {"model": MODEL_NAME, "prompt": prompt}
+        )
+        chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": prompt}]}
+        r_chat, took_chat = _post_bytes(server.base_url + "/v1/chat/completions", chat)
+    for response in (r, r_chat):
+        assert response.status_code == 400, response.text
+        message = response.json()["error"]["message"]
+        assert f"{per_token} bytes in a token" in message and str(MAX_MODEL_LEN) in message
+    # Tokenizing 10 MiB takes seconds here; refused by size it takes no tokenizing at all.
+    assert took < 3 and took_chat < 3
+    assert len(probe.latencies) > 3
+    assert max(probe.latencies) < HEALTH_BUDGET_S, sorted(probe.latencies)[-5:]
+
+
+@pytest.fixture(scope="module")
+def unbounded_checkpoint(bamba_checkpoint, tmp_path_factory) -> str:
+    """The tiny Bamba behind an NFC normalizer (same tokens for ASCII text), so no size
+    bound can be proven and every prompt is tokenized."""
+    path = str(tmp_path_factory.mktemp("nfc") / "bamba-nfc")
+    shutil.copytree(bamba_checkpoint, path)
+    spec_file = os.path.join(path, "tokenizer.json")
+    with open(spec_file) as f:
+        spec = json.load(f)
+    spec["normalizer"] = {"type": "NFC"}
+    with open(spec_file, "w") as f:
+        json.dump(spec, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def unbounded_server(unbounded_checkpoint):
+    engine = make_engine(unbounded_checkpoint)
+    added: list = []
+    real_add = engine.add_request
+
+    def add_request(request_id, prompt, params):
+        added.append(prompt)
+        return real_add(request_id, prompt, params)
+
+    engine.add_request = add_request
+    with ServerThread(build_app(AsyncLLMEngine(engine), MODEL_NAME)) as srv:
+        srv.added = added
+        yield srv
+
+
+def test_long_prompt_is_tokenized_off_the_event_loop(unbounded_server):
+    srv = unbounded_server
+    assert max_bytes_per_token(srv.app.state.serving.tokenizer) is None
+    prompt = "def f(x): return x + 1\n" * (2**20 // 23)  # 1 MiB, about a second to tokenize
+    with HealthProbe(srv.base_url) as probe:
+        r, took = _post_bytes(
+            srv.base_url + "/v1/completions", {"model": MODEL_NAME, "prompt": prompt}
+        )
+    assert r.status_code == 400, r.text
+    assert f"max_model_len is {MAX_MODEL_LEN}" in r.json()["error"]["message"]
+    assert srv.added == []  # refused after tokenizing, before the engine
+    # /health answered all along: on the event loop, tokenizing would have held one answer
+    # for the whole second. (Each answer is quick, but threads share 2 busy cores here, so
+    # the bound on the slowest is relative.)
+    latencies = sorted(probe.latencies)
+    assert len(latencies) > 10 and took > 0.5
+    assert latencies[len(latencies) // 2] < HEALTH_BUDGET_S
+    assert latencies[-1] < took / 4, latencies[-5:]
+
+
+def test_the_engine_gets_token_ids_not_text(unbounded_server, engine):
+    srv = unbounded_server
+    srv.added.clear()
+    body = {"model": MODEL_NAME, "prompt": "def fib(n):", "max_tokens": 2}
+    assert httpx.post(srv.base_url + "/v1/completions", json=body).status_code == 200
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(srv.base_url + "/v1/chat/completions", json=chat).status_code == 200
+    completion, conversation = srv.added
+    assert completion == {
+        "prompt": "def fib(n):",
+        "prompt_token_ids": engine.tokenizer("def fib(n):").input_ids,
+    }
+    assert set(conversation) == {"prompt", "prompt_token_ids"}
+
+
+# ----------------------------------------------------------------------------- the bound
+
+
+TEXTS = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",)), min_size=0, max_size=300
+) | st.sampled_from(["", " " * 300, "\n" * 100 + "    " * 50, "<|endoftext|>" * 20, "é漢字🙂" * 30])
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(engine):
+    return engine.tokenizer
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=TEXTS)
+def test_byte_level_bound_holds_and_encode_matches_the_tokenizer(tiny_tokenizer, text):
+    per_token = max_bytes_per_token(tiny_tokenizer)
+    prompts = PromptTokenizer(tiny_tokenizer, pool=None, max_model_len=MAX_MODEL_LEN)
+    for special in (True, False):
+        ids = prompts.encode(text, add_special_tokens=special)
+        assert ids == tiny_tokenizer(text, add_special_tokens=special).input_ids
+    assert len(text.encode()) <= per_token * len(prompts.encode(text, add_special_tokens=False))
+
+
+def test_byte_level_bound_is_the_longest_token(tiny_tokenizer):
+    per_token = max_bytes_per_token(tiny_tokenizer)
+    vocab = tiny_tokenizer.get_vocab()
+    longest = max(vocab, key=lambda t: len(t) if t not in tiny_tokenizer.all_special_tokens else 0)
+    text = tiny_tokenizer.convert_tokens_to_string([longest])
+    # A text made of that token alone: one token per `len(longest)` bytes.
+    assert len(tiny_tokenizer(text * 10, add_special_tokens=False).input_ids) == 10
+    assert per_token >= len(text.encode()) == len(longest)
+
+
+def _fast(backend: Tokenizer) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def test_byte_fallback_bound_holds():
+    # Llama-2 style: spaces become "▁", unknown characters fall back to byte tokens.
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    for piece in ["▁", "a", "b", "▁a", "ab", "▁ab", "▁abab"]:
+        vocab[piece] = len(vocab)
+    merges = [("▁", "a"), ("a", "b"), ("▁", "ab"), ("▁ab", "ab")]
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True))
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    tokenizer = _fast(backend)
+    per_token = max_bytes_per_token(tokenizer)
+    assert per_token == len("▁abab".encode())
+    for text in ["ab ab ab", " " * 50, "é漢字🙂 zz", "abab" * 40]:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        assert len(text.encode()) <= per_token * len(ids)
+
+
+def test_no_bound_where_the_pipeline_can_shrink_text(tiny_tokenizer):
+    spec = json.loads(tiny_tokenizer.backend_tokenizer.to_str())
+
+    def variant(**changes) -> PreTrainedTokenizerFast:
+        return _fast(Tokenizer.from_str(json.dumps({**spec, **changes})))
+
+    assert max_bytes_per_token(variant()) is not None
+    assert max_bytes_per_token(variant(normalizer={"type": "NFKC"})) is None
+    assert (
+        max_bytes_per_token(
+            variant(normalizer={"type": "Strip", "strip_left": True, "strip_right": True})
+        )
+        is None
+    )
+    assert max_bytes_per_token(variant(pre_tokenizer={"type": "WhitespaceSplit"})) is None
+    lstrip = [dict(t, lstrip=True) if i == 0 else t for i, t in enumerate(spec["added_tokens"])]
+    assert max_bytes_per_token(variant(added_tokens=lstrip)) is None
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert max_bytes_per_token(_fast(wordpiece)) is None
+
+
+def test_worker_pool_runs_off_the_caller_and_passes_errors_back():
+    import asyncio
+
+    pool = WorkerPool(2, "test-pool")
+
+    async def main():
+        caller = threading.get_ident()
+        ident = await pool.run(threading.get_ident)
+        with pytest.raises(ZeroDivisionError):
+            await pool.run(lambda: 1 / 0)
+        return caller, ident
+
+    caller, ident = asyncio.run(main())
+    pool.close()
+    assert caller != ident
