@@ -140,9 +140,10 @@ def build_app(
 
 def shutdown_cut_after(timeout: float) -> float:
     """Seconds after shutdown begins at which requests still running are cut: late enough
-    to let them finish, early enough that their errors go out and the process exits within
-    `timeout`."""
-    return timeout - min(1.0, timeout / 4)
+    to let them finish, early enough that their errors go out and the process is gone
+    within `timeout` (the interpreter's teardown of torch alone takes seconds on a busy
+    machine, so the margin is a quarter of the timeout, at most 5 s)."""
+    return timeout - min(5.0, timeout / 4)
 
 
 def begin_shutdown(app: FastAPI) -> None:
