@@ -265,21 +265,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="fraction of GPU memory the engine may use",
     )
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs per model (only 1 for now)"
+    )
     g.add_argument(
         "--mamba-ssm-cache-dtype",
         default="float32",
         choices=STATE_DTYPES,
         help="dtype of the SSM state (float32 keeps long outputs exact)",
     )
-    g.add_argument("--kernel-backend", default="auto", choices=("auto", "triton", "torch"))
+    g.add_argument(
+        "--kernel-backend",
+        default="auto",
+        choices=("auto", "triton", "torch"),
+        help="auto = Triton on CUDA, the PyTorch twins on CPU",
+    )
     g.add_argument(
         "--load-format",
         default="auto",
         choices=("auto", "dummy"),
         help="dummy = random weights of the right shapes (benchmarks)",
     )
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
     return parser
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -104,15 +105,41 @@ def test_readme_client_example_runs_as_written(served_process):
     assert out.getvalue().strip(), "the README example printed nothing"
 
 
-def test_docs_list_every_flag():
-    import argparse
-
+def _serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
+    return parser
+
+
+def test_docs_list_every_flag():
     docs = DOCS.read_text()
-    flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
-    missing = [f for f in flags if f"`{f}" not in docs and f != "--help"]
+    flags = [s for a in _serve_parser()._actions for s in a.option_strings if s.startswith("--")]
+    # The flag itself in backticks, not a longer flag it begins.
+    missing = [f for f in flags if not re.search(f"`{f}[` ]", docs) and f != "--help"]
     assert not missing, f"docs/serving.md does not describe {missing}"
+
+
+def test_every_serve_flag_has_help():
+    actions = [a for a in _serve_parser()._actions if a.option_strings or a.dest == "model_tag"]
+    assert [a.dest for a in actions if not (a.help or "").strip()] == []
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(DOCS.parents[1])}
+    cmd = [sys.executable, "-m", "ssmserve.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_version_and_bad_log_level():
+    import ssmserve
+
+    version = _cli("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"ssmserve {ssmserve.__version__}"
+    bad = _cli("--log-level", "loud", "serve")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == [
+        "error: --log-level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL; got 'loud'"
+    ]
 
 
 def test_startup_lines_name_model_device_cache_and_url(served_process, bamba_checkpoint):
