@@ -186,16 +186,15 @@ def test_sigterm_lets_in_flight_stream_finish_then_exits(served_process):
         httpx.get(base_url + "/health", timeout=2)
 
 
-def _in_flight(base_url: str, body: dict, plain_n: int = 1) -> tuple[dict, threading.Event]:
-    """One streamed and one plain request (of `plain_n` samples) running in threads; what
-    each got, and an event set once the stream's first chunk arrived."""
+def _in_flight(base_url: str, body: dict, plain_n: int = 1) -> dict:
+    """A streamed request, and once its first chunk is in, a plain one (of `plain_n`
+    samples), both running in threads; returns what each got, filled in as it arrives."""
     got: dict = {"stream": [], "plain": None}
     first_chunk = threading.Event()
 
     def stream() -> None:
-        with httpx.stream(
-            "POST", base_url + "/v1/completions", json={**body, "stream": True}, timeout=60
-        ) as r:
+        url = base_url + "/v1/completions"
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
             for line in r.iter_lines():
                 if line:
                     got["stream"].append(line)
@@ -205,9 +204,17 @@ def _in_flight(base_url: str, body: dict, plain_n: int = 1) -> tuple[dict, threa
         plain_body = {**body, "n": plain_n}
         got["plain"] = httpx.post(base_url + "/v1/completions", json=plain_body, timeout=60)
 
-    for target in (stream, plain):
-        threading.Thread(target=target, daemon=True).start()
-    return got, first_chunk
+    threading.Thread(target=stream, daemon=True).start()
+    assert first_chunk.wait(60)
+    threading.Thread(target=plain, daemon=True).start()
+    return got
+
+
+def _metric(base_url: str, name: str) -> float:
+    for line in httpx.get(base_url + "/metrics").text.splitlines():
+        if line.startswith(f"ssmserve:{name} "):
+            return float(line.split()[-1])
+    raise KeyError(name)
 
 
 def _assert_cut_cleanly(got: dict, timeout: float) -> None:
@@ -237,8 +244,7 @@ def test_shutdown_timeout_cuts_what_is_left_cleanly(bamba_checkpoint):
     app = build_app(async_engine, MODEL_NAME, options=ServerOptions(shutdown_timeout=timeout))
     body = {"model": MODEL_NAME, "prompt": "def fib(n):", "max_tokens": 400, "ignore_eos": True}
     with ServerThread(app) as srv:
-        got, first_chunk = _in_flight(srv.base_url, body)
-        assert first_chunk.wait(30)
+        got = _in_flight(srv.base_url, body)
         while srv.metrics()["ssmserve:num_requests_running"] < 2:
             time.sleep(0.02)
         start = time.monotonic()
@@ -262,12 +268,12 @@ def test_sigterm_cuts_cleanly_and_the_process_exits_within_the_timeout(bamba_che
     )
     try:
         model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
-        # One sequence runs at a time: 3 x 8000 steps outlast the cut at any step time
-        # above 0.7 ms (a step of the tiny model takes a few ms on CPU).
+        # One sequence runs at a time: 9 x 8000 steps outlast the cut at 15 s at any step
+        # time above 0.25 ms (a step of the tiny model takes 1 ms or more on CPU).
         body = {"model": model, "prompt": "def fib(n):", "max_tokens": 8000, "ignore_eos": True}
-        got, first_chunk = _in_flight(server.base_url, body, plain_n=2)
-        assert first_chunk.wait(60)
-        time.sleep(0.3)  # the plain request is queued behind the stream
+        got = _in_flight(server.base_url, body, plain_n=8)
+        while _metric(server.base_url, "num_requests_waiting") < 8:
+            time.sleep(0.05)  # the plain request's samples queue behind the stream
         start = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(30) == 0
