@@ -73,8 +73,6 @@ def build_app(
     app.openapi = _openapi_without_422(app)
     app.state.serving = ctx
     app.state.shutdown_cut = None
-    app.state.async_engine = async_engine
-    app.state.metrics = ctx.metrics
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.max_request_body_bytes)
     if api_key:
         # Added last, so it runs first: unauthenticated bodies are never read.

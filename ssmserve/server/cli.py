@@ -33,15 +33,15 @@ _OPTION_HELP = {
     "chat_template_timeout": "seconds a request's chat template may take to render",
     "enable_tokenizer_info_endpoint": "serve GET /tokenizer_info (lm-eval's remote tokenizer "
     "uses it)",
-    "shutdown_timeout": "on SIGTERM, seconds in-flight requests get to finish; what still "
-    "runs then is cut (streams get an error event and [DONE], others 503)",
+    "shutdown_timeout": "on SIGTERM, the process is gone within this many seconds; requests "
+    "still running near the end are cut (streams get an error event and [DONE], others 503)",
 }
 
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server; as it stops accepting connections it starts the app's shutdown
-    clock (`app.begin_shutdown`), so requests still running at --shutdown-timeout end
-    with an error instead of a cut connection."""
+    clock (`ssmserve.server.app.begin_shutdown`), so requests still running near
+    --shutdown-timeout end with an error instead of a cut connection."""
 
     def __init__(self, config: uvicorn.Config, app: Any) -> None:
         super().__init__(config)
@@ -146,7 +146,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(async_engine, names, api_key=args.api_key, options=options)
     for line in _startup_lines(async_engine.engine, names, f"http://{args.host}:{args.port}"):
         print(f"ssmserve: {line}", file=sys.stderr, flush=True)
-    config = uvicorn.Config(
+    uvicorn_config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -154,7 +154,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # A backstop: the app cuts what still runs shortly before this.
         timeout_graceful_shutdown=options.shutdown_timeout,
     )
-    server = DrainingServer(config, app)
+    server = DrainingServer(uvicorn_config, app)
     # uvicorn handles SIGINT/SIGTERM: it stops accepting, waits for in-flight responses
     # (the app cuts those still running just before --shutdown-timeout), then runs the
     # app's lifespan shutdown, which stops the engine thread. Afterwards it re-raises the
