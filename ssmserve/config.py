@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from typing import Any
@@ -67,36 +68,32 @@ def resolve_model_path(model: str | None) -> str:
     )
 
 
-def _custom_code_error(path: str, what: str) -> ValueError:
-    return ValueError(
-        f"the checkpoint {path} needs its own Python code to load its {what} (auto_map); "
-        "ssmserve never runs code from a checkpoint. Use a checkpoint whose model and "
-        "tokenizer transformers supports natively"
-    )
+def _load_without_code(load: Callable[..., Any], path: str, what: str) -> Any:
+    """`load(path)` with transformers told never to run (or ask to run) checkpoint code."""
+    try:
+        return load(path, trust_remote_code=False)
+    except ValueError as exc:
+        if "trust_remote_code" not in str(exc):
+            raise
+        raise ValueError(
+            f"the checkpoint {path} needs its own Python code to load its {what} (auto_map); "
+            "ssmserve never runs code from a checkpoint. Use a checkpoint whose model and "
+            "tokenizer transformers supports natively"
+        ) from None
 
 
 def load_hf_config(path: str) -> Any:
-    """transformers' config of a checkpoint, never running (or asking to run) its code."""
+    """transformers' config of a checkpoint, never running its code."""
     from transformers import AutoConfig
 
-    try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=False)
-    except ValueError as exc:
-        if "trust_remote_code" in str(exc):
-            raise _custom_code_error(path, "config") from None
-        raise
+    return _load_without_code(AutoConfig.from_pretrained, path, "config")
 
 
 def load_tokenizer(path: str) -> Any:
-    """The checkpoint's tokenizer, never running (or asking to run) its code."""
+    """The checkpoint's tokenizer, never running its code."""
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-    except ValueError as exc:
-        if "trust_remote_code" in str(exc):
-            raise _custom_code_error(path, "tokenizer") from None
-        raise
+    return _load_without_code(AutoTokenizer.from_pretrained, path, "tokenizer")
 
 
 @dataclass
