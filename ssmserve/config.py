@@ -11,11 +11,14 @@ from dataclasses import dataclass, field, fields
 from importlib import resources
 from typing import Any
 
+from ssmserve.kernels import BACKENDS as KERNEL_BACKENDS
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "ssmserve-bamba-tiny"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 STATE_DTYPES = ("float32", "bfloat16", "float16", "auto")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def bundled_model_names() -> list[str]:
@@ -96,6 +99,27 @@ def load_tokenizer(path: str) -> Any:
     return _load_without_code(AutoTokenizer.from_pretrained, path, "tokenizer")
 
 
+# Files any of which means a folder carries its own tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def resolve_tokenizer_path(tokenizer: str | None, model_path: str, load_format: str) -> str:
+    """The tokenizer folder: `tokenizer` if given, else the model's. A dummy-weight run of a
+    folder that holds only config.json (benchmarks/configs/*) gets the bundled tokenizer,
+    so real-size benchmarks run without the hub; its text is meaningless there."""
+    if tokenizer is not None:
+        return tokenizer
+    has_own = any(os.path.isfile(os.path.join(model_path, f)) for f in TOKENIZER_FILES)
+    if load_format == "dummy" and not has_own:
+        logger.warning(
+            "%s has no tokenizer files; with load_format=dummy the bundled tokenizer stands "
+            "in (token-id prompts as usual, generated text is not meaningful)",
+            model_path,
+        )
+        return bundled_model_path()
+    return model_path
+
+
 @dataclass
 class ModelConfig:
     """The checkpoint: its path, HF config and architecture, and what the engine derives."""
@@ -144,65 +168,97 @@ class ModelConfig:
         )
 
 
-@dataclass
-class EngineConfig:
-    """Every engine setting, flat. Validated on construction; errors say what to change."""
+def _flag(default: Any, help: str, **cli: Any) -> Any:
+    """A config field with its command-line help (and argparse extras such as choices)."""
+    return field(default=default, metadata={"help": help, **cli})
 
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    tensor_parallel_size: int = 1
-    mamba_ssm_cache_dtype: str = "float32"
-    kernel_backend: str = "auto"
-    load_format: str = "auto"
-    seed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine setting, flat, with its command-line flag (`--max-num-seqs` for
+    `max_num_seqs`): the flags are generated from these fields by `add_engine_args`, so a
+    new setting is one field here. Validated on construction; errors say what to change."""
+
+    model: str | None = _flag(
+        None, "checkpoint folder, cached hub id or bundled model name", cli=False
+    )
+    tokenizer: str | None = _flag(None, "tokenizer folder (default: the model's)")
+    dtype: str = _flag(
+        "auto",
+        "weights/activations; auto = float32 on CPU, the checkpoint's 16-bit type on GPU",
+        choices=DTYPES,
+    )
+    device: str = _flag("auto", "auto | cpu | cuda[:N]")
+    max_model_len: int | None = _flag(
+        None, "longest prompt + output, in tokens (default: the model's limit)"
+    )
+    max_num_seqs: int = _flag(256, "most requests running at once (one SSM state slot each)")
+    max_num_batched_tokens: int | None = _flag(
+        None,
+        "token budget of one step; longer prompts are prefilled in chunks "
+        "(default 8192 on GPU, 2048 on CPU)",
+    )
+    block_size: int = _flag(16, "tokens per KV-cache block")
+    num_kv_blocks: int | None = _flag(
+        None, "override the number of KV-cache blocks the memory planner picks"
+    )
+    cache_memory: int | None = _flag(
+        None, "bytes for KV blocks and state slots per rank (default on CPU: 256 MiB)"
+    )
+    gpu_memory_utilization: float = _flag(0.9, "fraction of each GPU's memory the engine may use")
+    enforce_eager: bool = _flag(False, "disable CUDA graphs")
+    overlap_steps: bool = _flag(
+        True,
+        "plan each step while the previous one runs and build outputs while the next one "
+        "runs (--no-overlap-steps runs steps one after another)",
+    )
+    tensor_parallel_size: int = _flag(
+        1, "GPUs (or CPU processes) the model is split across", aliases=("-tp",)
+    )
+    mamba_ssm_cache_dtype: str = _flag(
+        "float32",
+        "dtype of the SSM state (float32 keeps long outputs exact; auto = the model dtype)",
+        choices=STATE_DTYPES,
+    )
+    kernel_backend: str = _flag(
+        "auto",
+        "auto = PyTorch reference ops on CPU; on CUDA hopper (Triton + the Gluon SSD scan) "
+        "on sm_90, else triton (docs/kernels.md)",
+        choices=KERNEL_BACKENDS,
+    )
+    load_format: str = _flag(
+        "auto",
+        "auto = the checkpoint's safetensors; dummy = random weights of the right shapes "
+        "(benchmarks)",
+        choices=LOAD_FORMATS,
+    )
+    seed: int = _flag(0, "seed of the engine's sampling generator and of dummy weights")
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.mamba_ssm_cache_dtype not in STATE_DTYPES:
-            raise ValueError(
-                f"mamba_ssm_cache_dtype must be one of {STATE_DTYPES}, "
-                f"got {self.mamba_ssm_cache_dtype!r}"
-            )
-        if self.kernel_backend not in ("auto", "triton", "torch"):
-            raise ValueError(
-                f"kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}"
-            )
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(
-                f"load_format must be auto (the checkpoint's safetensors) or dummy (random "
-                f"weights, for benchmarks), got {self.load_format!r}"
-            )
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
-            )
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(
+                    f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}"
+                )
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "num_kv_blocks",
+            "tensor_parallel_size",
+            "max_model_len",
+        ):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.cache_memory is not None and self.cache_memory < 1:
+            raise ValueError(f"cache_memory must be a positive byte count, got {self.cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                "tensor_parallel_size > 1 is not supported yet; run with --tensor-parallel-size 1"
             )
 
     @classmethod
@@ -214,76 +270,24 @@ class EngineConfig:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Engine flags, under vLLM's names where the meaning is the same (--model not included)."""
+    """Add one flag per EngineConfig field (vLLM's names where the meaning is the same);
+    `--model` is left to each command."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    g.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPES,
-        help="weights/activations; auto = float32 on CPU, the checkpoint's 16-bit type on GPU",
-    )
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    g.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="longest prompt + output, in tokens (default: the model's limit)",
-    )
-    g.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=256,
-        help="most requests running at once (one SSM state slot each)",
-    )
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="token budget of one step; longer prompts are prefilled in chunks",
-    )
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    g.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=None,
-        help="override the number of KV-cache blocks the memory planner picks",
-    )
-    g.add_argument(
-        "--cache-memory",
-        type=int,
-        default=None,
-        help="bytes for KV blocks and state slots (CPU; default 256 MiB)",
-    )
-    g.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="fraction of GPU memory the engine may use",
-    )
-    g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
-    g.add_argument(
-        "--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs per model (only 1 for now)"
-    )
-    g.add_argument(
-        "--mamba-ssm-cache-dtype",
-        default="float32",
-        choices=STATE_DTYPES,
-        help="dtype of the SSM state (float32 keeps long outputs exact)",
-    )
-    g.add_argument(
-        "--kernel-backend",
-        default="auto",
-        choices=("auto", "triton", "torch"),
-        help="auto = Triton on CUDA, the PyTorch twins on CPU",
-    )
-    g.add_argument(
-        "--load-format",
-        default="auto",
-        choices=("auto", "dummy"),
-        help="dummy = random weights of the right shapes (benchmarks)",
-    )
-    g.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
+    for f in fields(EngineConfig):
+        meta = dict(f.metadata)
+        if meta.pop("cli", True) is False:
+            continue
+        flags = [f"--{f.name.replace('_', '-')}", *meta.pop("aliases", ())]
+        default = f.default
+        help_text = meta.pop("help")
+        if f.type in ("bool", bool):
+            g.add_argument(
+                *flags, action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
+            continue
+        kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
+        shown = "" if default is None or "default" in help_text else f" (default: {default})"
+        g.add_argument(*flags, type=kind, default=default, help=help_text + shown, **meta)
     return parser
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,7 +13,7 @@ from tqdm.auto import tqdm
 from ssmserve.config import EngineConfig
 from ssmserve.engine.engine import LLMEngine, PromptType
 from ssmserve.outputs import RequestOutput
-from ssmserve.sampling_params import SamplingParams
+from ssmserve.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -38,9 +40,10 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order. A progress
+        bar (tqdm, on stderr) counts finished prompts unless `use_tqdm=False`."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -61,7 +64,7 @@ class LLM:
         self,
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
@@ -93,18 +96,24 @@ class LLM:
         added = []
         try:
             for rid, prompt, p in zip(ids, prompts, params):
-                engine.add_request(rid, prompt, p)
+                # Only the final output is read: no per-step outputs to build.
+                final = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                engine.add_request(rid, prompt, final)
                 added.append(rid)
         except Exception:
             engine.abort_request(added)  # one bad prompt must not leave the others queued
             raise
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
+        bar = tqdm(total=len(ids), desc="Processed prompts", unit="prompt", disable=not use_tqdm)
+        start, out_tokens = time.perf_counter(), 0
         try:
             while len(done) < len(ids):
                 for out in engine.step():
                     if out.finished:
                         done[out.request_id] = out
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        rate = out_tokens / max(time.perf_counter() - start, 1e-9)
+                        bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
                         bar.update(1)
         except BaseException:
             engine.abort_request([i for i in ids if i not in done])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -11,6 +12,14 @@ GREEDY_TEMPERATURE_BELOW = 1e-5
 SEED_RANGE = (-(2**63), 2**63 - 1)
 # top_k above the largest vocabulary anyone trains is a mistake, not a wish for "off".
 MAX_TOP_K = 2**31 - 1
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what is new since the last output
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 @dataclass
@@ -41,6 +50,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by the engine: the model's EOS ids, used unless ignore_eos.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 

@@ -17,7 +17,7 @@ def test_graph_decode_equals_eager_decode(checkpoint, variant):
     kwargs = dict(device="cuda", dtype="float32", max_num_seqs=8, cache_memory=2**28)
     eager = LLM(checkpoint(variant), enforce_eager=True, **kwargs).generate(prompts, params)
     llm = LLM(checkpoint(variant), **kwargs)
-    assert llm.llm_engine.runner.graphs is not None
+    assert llm.llm_engine.executor.runner.graphs is not None
     graphed = llm.generate(prompts, params)
     for a, b in zip(eager, graphed):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -19,7 +19,6 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_token_ids[-self.CONTEXT :])
-        self.prefix_offset = 0  # start of the context window in self.ids
         self.read_offset = len(self.ids)  # ids before this are already emitted
         self.text = ""
 
@@ -29,8 +28,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the new text it completes (maybe empty)."""
         self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
+        prefix = self._decode(self.ids[: self.read_offset])
+        full = self._decode(self.ids)
         if full.endswith("\ufffd"):
             return ""  # an incomplete character: wait for the token that completes it
         delta = full[len(prefix) :]
@@ -38,7 +37,6 @@ class IncrementalDetokenizer:
         keep_from = max(len(self.ids) - self.CONTEXT, 0)
         self.ids = self.ids[keep_from:]
         self.read_offset = len(self.ids)
-        self.prefix_offset = 0
         self.text += delta
         return delta
 

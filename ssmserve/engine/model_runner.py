@@ -1,99 +1,168 @@
-"""ModelRunner: StepPlan -> one flat variable-length ForwardBatch -> hidden states, logits."""
+"""ModelRunner: one rank's model shard, its caches and CUDA graphs; packed step -> logits.
+
+Every rank (the engine process and each tensor-parallel worker) owns one runner and
+calls the same methods in the same order, so the collectives inside the model (and
+the few inside the methods here) line up across ranks.
+"""
 
 from __future__ import annotations
 
-import torch
+import logging
 
-from ssmserve.layers.batch import ForwardBatch
-from ssmserve.models.base import CausalLM
+import torch
+import torch.distributed as dist
+
+from ssmserve.cache import CachePlan
+from ssmserve.config import EngineConfig, ModelConfig
+from ssmserve.distributed.parallel import TensorParallel
+from ssmserve.kernels import get_ops
+from ssmserve.layers.batch import ForwardBatch, StepInputs
+from ssmserve.layers.cache import LayerCache, allocate_caches, cache_bytes
+from ssmserve.loader import init_dummy_weights, load_weights
+from ssmserve.models.base import ModelContext
+from ssmserve.models.registry import model_class
 from ssmserve.scheduler.plan import ScheduledChunk
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, device: torch.device, block_size: int) -> None:
-        self.model = model
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+    ) -> None:
+        self.config = config
         self.device = device
-        self.block_size = block_size
+        self.dtype = dtype
+        self.tp = tp
+        self.block_size = config.block_size
+        self.state_dtype = (
+            dtype
+            if config.mamba_ssm_cache_dtype == "auto"
+            else getattr(torch, config.mamba_ssm_cache_dtype)
+        )
+        self.ops = get_ops(config.kernel_backend, device)
+        self.model = self._build_model(model_config)
+        self.cache_specs = self.model.cache_specs()
+        self.caches: list[LayerCache] = []
         self.graphs = None  # DecodeGraphs, when CUDA graphs are on
 
-    def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
-        from ssmserve.engine.cuda_graphs import DecodeGraphs
+    def _build_model(self, model_config: ModelConfig):
+        cls = model_class(model_config.architecture)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = cls(model_config.hf_config, ModelContext(self.ops, self.tp))
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if self.config.load_format == "dummy":
+            init_dummy_weights(model, self.config.seed)
+        else:
+            load_weights(model, model_config.path)
+        return model.eval()
 
-        max_blocks = -(-max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, self.device, max_batch, max_blocks)
-        self.graphs.capture()
+    # -- caches ---------------------------------------------------------------------
 
-    @staticmethod
-    def order_chunks(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-        """Decodes (one new token, state to resume from) first, then everything else."""
-        return [c for c in chunks if c.is_decode] + [c for c in chunks if not c.is_decode]
+    def cache_bytes(self) -> tuple[int, int]:
+        """Bytes of one KV block and of one state slot, the largest over the ranks."""
+        per = torch.tensor(
+            cache_bytes(self.cache_specs, self.block_size, self.dtype, self.state_dtype)
+        )
+        if self.tp.size > 1:
+            dist.all_reduce(per, op=dist.ReduceOp.MAX, group=self.tp.cpu_group)
+        return int(per[0]), int(per[1])
 
-    def prepare(self, chunks: list[ScheduledChunk], logits_rows: list[int]) -> ForwardBatch:
-        """`chunks` must already be in `order_chunks` order."""
-        bs = self.block_size
-        input_ids, positions, slot_mapping, qsl = [], [], [], [0]
-        seq_lens, state_slots, has_init, tables = [], [], [], []
-        num_decodes = 0
-        for chunk in chunks:
-            req = chunk.request
-            num_decodes += chunk.is_decode
-            pos = range(chunk.start, chunk.end)
-            input_ids.extend(req.all_token_ids[chunk.start : chunk.end])
-            positions.extend(pos)
-            if req.block_ids:
-                slot_mapping.extend(req.block_ids[p // bs] * bs + p % bs for p in pos)
-            else:
-                slot_mapping.extend(-1 for _ in pos)
-            qsl.append(qsl[-1] + chunk.num_new_tokens)
-            seq_lens.append(chunk.end)
-            state_slots.append(req.state_slot if req.state_slot is not None else -1)
-            has_init.append(chunk.start > 0)
-            tables.append(req.block_ids)
-        width = max((len(t) for t in tables), default=0) or 1
-        flat_tables = [b for t in tables for b in t + [0] * (width - len(t))]
-        # One host-to-device copy for every index array of the step, sliced on the device:
-        # a dozen small copies would cost more than the decode step's kernels.
-        prefill_starts = [chunk.start for chunk in chunks[num_decodes:]]
-        parts = [
-            input_ids,
-            positions,
-            slot_mapping,
-            qsl,
-            seq_lens,
-            state_slots,
-            [int(h) for h in has_init],
-            logits_rows,
-            flat_tables,
-            prefill_starts,
-        ]
-        packed = torch.tensor([v for part in parts for v in part], dtype=torch.long)
-        packed = packed.to(self.device, non_blocking=True)
-        views = packed.split([len(part) for part in parts])
-        (ids_t, pos_t, slots_t, qsl_t, lens_t, state_t, init_t, rows_t, tables_t, starts_t) = views
-        qsl_t = qsl_t.to(torch.int32)
-        return ForwardBatch(
-            input_ids=ids_t,
-            positions=pos_t,
-            query_start_loc=qsl_t,
-            seq_lens=lens_t.to(torch.int32),
-            state_slots=state_t,
-            has_initial_state=init_t.bool(),
-            block_tables=tables_t.to(torch.int32).view(len(tables), width),
-            slot_mapping=slots_t,
-            logits_indices=rows_t,
-            num_decodes=num_decodes,
-            query_start_loc_p=qsl_t[num_decodes:] - qsl[num_decodes],
-            start_positions_p=starts_t,
-            query_start_loc_host=tuple(qsl),
-            context_lens_host=tuple(chunk.start for chunk in chunks),
+    def gpu_cache_budget(self, max_num_batched_tokens: int) -> int:
+        """Bytes left for caches on this GPU after the weights and the measured activation
+        peak of a full-budget forward; the smallest over the ranks."""
+        from ssmserve.engine.memory import profile_activation_peak
+
+        peak = profile_activation_peak(self, max_num_batched_tokens)
+        _, total = torch.cuda.mem_get_info(self.device)
+        in_use = torch.cuda.memory_allocated(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - in_use - peak
+        logger.info(
+            "GPU memory (rank %d): %.1f GiB total, %.2f GiB weights, %.2f GiB activation peak, "
+            "%.2f GiB for caches",
+            self.tp.rank,
+            total / 2**30,
+            in_use / 2**30,
+            peak / 2**30,
+            budget / 2**30,
+        )
+        least = torch.tensor([budget])
+        if self.tp.size > 1:
+            dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.tp.cpu_group)
+        return int(least[0])
+
+    def allocate_caches(self, num_kv_blocks: int, num_state_slots: int) -> None:
+        self.caches = allocate_caches(
+            self.cache_specs,
+            num_kv_blocks=num_kv_blocks,
+            block_size=self.block_size,
+            num_state_slots=num_state_slots,
+            dtype=self.dtype,
+            state_dtype=self.state_dtype,
+            device=self.device,
         )
 
+    def release_caches(self) -> None:
+        self.caches = []
+
+    def setup(self, plan: CachePlan, max_num_batched_tokens: int) -> None:
+        """Allocate the planned caches, then capture decode graphs where they apply."""
+        self.allocate_caches(plan.num_kv_blocks, plan.num_state_slots)
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        if self.ops.backend == "torch":
+            logger.info("CUDA graphs need the Triton kernels; running eager")
+            return
+        from ssmserve.engine.cuda_graphs import DecodeGraphs
+
+        max_blocks = -(-plan.max_tokens_per_request // self.block_size)
+        self.graphs = DecodeGraphs(self, plan.max_num_seqs, max_blocks)
+        self.graphs.capture()
+
+    # -- the step -------------------------------------------------------------------
+
     @torch.inference_mode()
-    def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [K, vocab] (float32) of the rows in batch.logits_indices."""
+    def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [K, vocab] (float32) of the rows in batch.logits_indices, eagerly."""
+        hidden = self.model(batch, self.caches)
+        return self.model.compute_logits(hidden[batch.logits_indices]).float()
+
+    @torch.inference_mode()
+    def execute(self, packed: torch.Tensor) -> torch.Tensor:
+        """Logits of one packed step (StepInputs.pack), by graph replay where it can."""
+        batch = ForwardBatch.from_packed(packed, self.device)
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
-        hidden = self.model(batch)
-        if batch.logits_indices.numel() == 0:
-            return hidden.new_zeros(0, self.model.lm_head.weight.shape[0], dtype=torch.float32)
-        return self.model.compute_logits(hidden[batch.logits_indices]).float()
+        return self.forward_logits(batch)
+
+
+def order_chunks(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+    """Decodes (one new token, state to resume from) first, then everything else."""
+    return [c for c in chunks if c.is_decode] + [c for c in chunks if not c.is_decode]
+
+
+def step_inputs(
+    chunks: list[ScheduledChunk], logits_rows: list[int], block_size: int
+) -> StepInputs:
+    """The host inputs of one step; `chunks` must be in `order_chunks` order."""
+    inputs = StepInputs(logits_indices=logits_rows)
+    for chunk in chunks:
+        req = chunk.request
+        inputs.num_decodes += chunk.is_decode
+        inputs.add_sequence(
+            req.all_token_ids[chunk.start : chunk.end],
+            chunk.start,
+            req.block_ids,
+            block_size,
+            req.state_slot,
+        )
+    return inputs

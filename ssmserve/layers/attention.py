@@ -7,8 +7,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.kernels import KernelOps
 from ssmserve.layers.batch import ForwardBatch
+from ssmserve.layers.cache import KVCache, KVCacheSpec
+from ssmserve.layers.linear import QKVParallelLinear, RowParallelLinear, head_segment
 from ssmserve.layers.rotary import RotaryEmbedding
 
 # Prompts at least this long with no cached context use PyTorch's fused attention on the
@@ -20,56 +23,73 @@ FUSED_PREFILL_MIN_TOKENS = 512
 
 
 class Attention(nn.Module):
-    """q/k/v/o projections named as in HF checkpoints; K/V live in paged blocks.
+    """Fused QKV projection (query heads split over ranks, KV heads split or replicated),
+    RoPE, paged KV cache, row-parallel output projection.
 
     Each step writes the new tokens' K/V into the cache first, then every query attends
     over its sequence's cached context plus itself: one op for prefill with or without
     cached context and for decode.
     """
 
-    def __init__(self, hf_config, ops: KernelOps, rotary: RotaryEmbedding | None) -> None:
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        ops: KernelOps,
+        tp: TensorParallel,
+        rotary: RotaryEmbedding | None,
+        bias: bool = False,
+        scale: float | None = None,
+        out_features: int | None = None,
+    ) -> None:
+        """`out_features` is o_proj's output width (default `hidden_size`, the input's)."""
         super().__init__()
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(hf_config, "head_dim", None) or (
-            hf_config.hidden_size // self.num_heads
+        self.head_dim = head_dim
+        self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, tp, bias)
+        self.num_heads = self.qkv_proj.num_local_heads
+        self.num_kv_heads = self.qkv_proj.num_local_kv_heads
+        self.o_proj = RowParallelLinear(
+            num_heads * head_dim,
+            out_features or hidden_size,
+            tp,
+            bias,
+            columns=head_segment(self.qkv_proj.q_heads, head_dim, num_heads),
         )
-        bias = getattr(hf_config, "attention_bias", False)
-        hidden = hf_config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self.scale = self.head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.rotary = rotary
         self.ops = ops
-        self.k_cache: torch.Tensor | None = None
-        self.v_cache: torch.Tensor | None = None
 
-    def cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * block_size * self.num_kv_heads * self.head_dim * elem
+    def cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(self.num_kv_heads, self.head_dim)
 
-    def allocate_cache(
-        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cache: KVCache,
+        qkv_delta: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`qkv_delta` (this rank's q/k/v columns, as qkv_proj gives them) is added to the
+        projection before RoPE: a per-use adapter's output (Zamba2's LoRA)."""
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        if qkv_delta is not None:
+            qkv = qkv + qkv_delta
+        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.rotary is not None:
             q, k = self.rotary(batch.positions, q, k)
-        self.ops.write_kv_cache(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
+        self.ops.write_kv_cache(k, v, cache.k, cache.v, batch.slot_mapping)
         # Head dims the fused kernels take (flash and memory-efficient attention).
         fusable = q.is_cuda and self.head_dim % 8 == 0 and self.head_dim <= 256
         fresh = self._fresh_long_prefills(batch) if fusable else []
         if not fresh:
-            out = self._paged(q, batch, 0, batch.num_seqs)
+            out = self._paged(q, batch, cache, 0, batch.num_seqs)
         else:
             # Long prompts with nothing cached attend only to their own new tokens: PyTorch's
             # fused attention (flash) does that several times faster than the paged kernel.
@@ -79,7 +99,7 @@ class Attention(nn.Module):
             first = 0
             for s in [*fresh, batch.num_seqs]:
                 if first < s:
-                    out[qsl[first] : qsl[s]] = self._paged(q, batch, first, s)
+                    out[qsl[first] : qsl[s]] = self._paged(q, batch, cache, first, s)
                 if s < batch.num_seqs:
                     t0, t1 = qsl[s], qsl[s + 1]
                     out[t0:t1] = self._fused_causal(q[t0:t1], k[t0:t1], v[t0:t1])
@@ -109,7 +129,9 @@ class Attention(nn.Module):
             if context[s] == 0 and qsl[s + 1] - qsl[s] >= FUSED_PREFILL_MIN_TOKENS
         ]
 
-    def _paged(self, q: torch.Tensor, batch: ForwardBatch, first: int, end: int) -> torch.Tensor:
+    def _paged(
+        self, q: torch.Tensor, batch: ForwardBatch, cache: KVCache, first: int, end: int
+    ) -> torch.Tensor:
         """Paged attention for sequences [first, end) of the batch."""
         if first == 0 and end == batch.num_seqs:
             t0, t1, qsl = 0, q.shape[0], batch.query_start_loc
@@ -118,8 +140,8 @@ class Attention(nn.Module):
             qsl = batch.query_start_loc[first : end + 1] - t0
         return self.ops.paged_attention(
             q[t0:t1],
-            self.k_cache,
-            self.v_cache,
+            cache.k,
+            cache.v,
             block_tables=batch.block_tables[first:end],
             query_start_loc=qsl,
             seq_lens=batch.seq_lens[first:end],

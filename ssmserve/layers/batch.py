@@ -1,16 +1,91 @@
 """ForwardBatch: the flat, variable-length batch one model forward runs on.
 
-Built by the model runner from a StepPlan and passed explicitly to every layer (no global
-forward context). Sequences are ordered decodes first: the first `num_decodes` sequences
-have exactly one new token and an initial state, so SSM layers can take the one-token
-update path for them and the varlen prefill path for the rest.
+Built from `StepInputs` (host lists the model runner fills from a StepPlan) and passed
+explicitly to every layer (no global forward context). Sequences are ordered decodes
+first: the first `num_decodes` sequences have exactly one new token and an initial
+state, so SSM layers can take the one-token update path for them and the varlen prefill
+path for the rest.
+
+Every index array of a step travels as one packed int64 tensor (`StepInputs.pack`): one
+host-to-device copy per step, and under tensor parallelism the one message rank 0
+broadcasts to the other ranks. `ForwardBatch.from_packed` is the one place a batch is
+made from it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+# Header of a packed step: sizes first, then the flat parts in _PARTS order.
+HEADER = ("num_tokens", "num_seqs", "num_logits", "table_width", "num_decodes")
+HEADER_LEN = len(HEADER)
+
+
+@dataclass
+class StepInputs:
+    """One forward's inputs on the host, per token (T), per sequence (S) and per logit."""
+
+    input_ids: list[int] = field(default_factory=list)  # [T]
+    positions: list[int] = field(default_factory=list)  # [T]
+    slot_mapping: list[int] = field(default_factory=list)  # [T] KV cache position, -1 skip
+    query_start_loc: list[int] = field(default_factory=lambda: [0])  # [S+1]
+    seq_lens: list[int] = field(default_factory=list)  # [S] tokens in the cache after
+    context_lens: list[int] = field(default_factory=list)  # [S] tokens computed before
+    state_slots: list[int] = field(default_factory=list)  # [S] -1 = none
+    block_tables: list[list[int]] = field(default_factory=list)  # [S][blocks]
+    logits_indices: list[int] = field(default_factory=list)  # [K] rows whose logits count
+    num_decodes: int = 0
+
+    def add_sequence(
+        self,
+        token_ids: list[int],
+        start: int,
+        block_ids: list[int],
+        block_size: int,
+        state_slot: int | None,
+    ) -> None:
+        """Append one sequence's chunk: `token_ids` at positions start, start+1, ..."""
+        end = start + len(token_ids)
+        self.input_ids.extend(token_ids)
+        self.positions.extend(range(start, end))
+        if block_ids:
+            self.slot_mapping.extend(
+                block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)
+            )
+        else:
+            self.slot_mapping.extend([-1] * len(token_ids))
+        self.query_start_loc.append(self.query_start_loc[-1] + len(token_ids))
+        self.seq_lens.append(end)
+        self.context_lens.append(start)
+        self.state_slots.append(-1 if state_slot is None else state_slot)
+        self.block_tables.append(block_ids)
+
+    def pack(self) -> torch.Tensor:
+        """Header + every part, as one int64 CPU tensor."""
+        width = max((len(t) for t in self.block_tables), default=0) or 1
+        tables = [b for t in self.block_tables for b in t + [0] * (width - len(t))]
+        header = [
+            len(self.input_ids),
+            len(self.seq_lens),
+            len(self.logits_indices),
+            width,
+            self.num_decodes,
+        ]
+        return torch.tensor(
+            header
+            + self.input_ids
+            + self.positions
+            + self.slot_mapping
+            + self.query_start_loc
+            + self.seq_lens
+            + self.context_lens
+            + self.state_slots
+            + self.logits_indices
+            + tables,
+            dtype=torch.long,
+        )
 
 
 @dataclass
@@ -27,10 +102,10 @@ class ForwardBatch:
     num_decodes: int  # leading sequences with one token and an initial state
     query_start_loc_p: torch.Tensor  # [S-num_decodes+1] int32, prefill part, rebased to 0
     # [S-num_decodes] absolute position of each prefill sequence's first new token (SSD
-    # chunks align to it); None when every prefill starts at position 0.
-    start_positions_p: torch.Tensor | None = None
-    # Host copies, for choices made on the host (never under CUDA graphs, where they are
-    # empty): token offsets of each sequence and the tokens each had computed before.
+    # chunks align to it).
+    start_positions_p: torch.Tensor
+    # Host copies, for choices made on the host (empty under CUDA graphs): token offsets
+    # of each sequence and the tokens each had computed before this step.
     query_start_loc_host: tuple[int, ...] = ()
     context_lens_host: tuple[int, ...] = ()
 
@@ -41,3 +116,58 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+    def decode_prefix(self, n: int) -> ForwardBatch:
+        """Views of the first `n` sequences of a decode-only batch (one token each), with
+        no host copies: what a CUDA graph of batch size n is captured on."""
+        assert self.num_decodes == self.num_seqs == self.num_tokens >= n
+        return ForwardBatch(
+            input_ids=self.input_ids[:n],
+            positions=self.positions[:n],
+            query_start_loc=self.query_start_loc[: n + 1],
+            seq_lens=self.seq_lens[:n],
+            state_slots=self.state_slots[:n],
+            has_initial_state=self.has_initial_state[:n],
+            block_tables=self.block_tables[:n],
+            slot_mapping=self.slot_mapping[:n],
+            logits_indices=self.logits_indices[:n],
+            num_decodes=n,
+            query_start_loc_p=self.query_start_loc_p,
+            start_positions_p=self.start_positions_p,
+        )
+
+    @classmethod
+    def from_packed(
+        cls, packed: torch.Tensor, device: torch.device, host: torch.Tensor | None = None
+    ) -> ForwardBatch:
+        """The batch of a packed step. `packed` is on the host (copied to `device` here)
+        or already on `device`, with `host` its host copy when host values are wanted."""
+        host = packed if host is None and packed.device.type == "cpu" else host
+        head = (host if host is not None else packed)[:HEADER_LEN].tolist()
+        T, S, K, width, nd = head
+        data = packed.to(device, non_blocking=True) if packed.device != device else packed
+        sizes = [T, T, T, S + 1, S, S, S, K, S * width]
+        ids, pos, slots, qsl, lens, ctx, state, rows, tables = data[HEADER_LEN:].split(sizes)
+        qsl = qsl.to(torch.int32)
+        qsl_host, ctx_host = (), ()
+        if host is not None:
+            offset = HEADER_LEN + 3 * T
+            qsl_host = tuple(host[offset : offset + S + 1].tolist())
+            offset += S + 1 + S
+            ctx_host = tuple(host[offset : offset + S].tolist())
+        return cls(
+            input_ids=ids,
+            positions=pos,
+            query_start_loc=qsl,
+            seq_lens=lens.to(torch.int32),
+            state_slots=state,
+            has_initial_state=ctx > 0,
+            block_tables=tables.to(torch.int32).view(S, width),
+            slot_mapping=slots,
+            logits_indices=rows,
+            num_decodes=nd,
+            query_start_loc_p=qsl[nd:] - qsl[nd],
+            start_positions_p=ctx[nd:],
+            query_start_loc_host=qsl_host,
+            context_lens_host=ctx_host,
+        )

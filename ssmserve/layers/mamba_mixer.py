@@ -5,13 +5,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.kernels import KernelOps
 from ssmserve.layers.batch import ForwardBatch
+from ssmserve.layers.cache import SSMState, StateSpec
+from ssmserve.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    Segment,
+    row_sharded_parameter,
+)
+from ssmserve.layers.mamba2_mixer import conv_activation
 from ssmserve.layers.norm import rms_normalize
 
 
 class MambaMixer(nn.Module):
-    """Parameter names follow HF (in_proj, conv1d, x_proj, dt_proj, A_log, D, out_proj)."""
+    """Parameter names follow HF (in_proj, conv1d, x_proj, dt_proj, A_log, D, out_proj).
+
+    Tensor parallelism splits the inner channels (any split: channels are independent);
+    x_proj is row-parallel, so every rank gets the whole dt, B and C after its all-reduce.
+    """
 
     def __init__(
         self,
@@ -22,55 +35,50 @@ class MambaMixer(nn.Module):
         conv_kernel: int,
         time_step_rank: int,
         ops: KernelOps,
+        tp: TensorParallel,
+        activation: str = "silu",
         use_bias: bool = False,
         use_conv_bias: bool = True,
         bcdt_rms_eps: float | None = None,
     ) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
+        self.tp, self.ops = tp, ops
+        self.activation = conv_activation(activation)
+        channels = Segment.even(intermediate_size, tp)
+        if not channels.rows:
+            raise ValueError(
+                f"tensor_parallel_size = {tp.size} is more than the {intermediate_size} SSM "
+                f"channels; use at most {intermediate_size}"
+            )
+        self.intermediate_size = len(channels.rows)
         self.state_size = state_size
         self.conv_kernel = conv_kernel
         self.time_step_rank = time_step_rank
         self.bcdt_rms_eps = bcdt_rms_eps  # FalconMamba: normalise B, C, dt
-        self.in_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=use_bias)
-        self.conv1d = nn.Conv1d(
-            intermediate_size,
-            intermediate_size,
-            conv_kernel,
-            groups=intermediate_size,
-            bias=use_conv_bias,
+        self.in_proj = ColumnParallelLinear(hidden_size, [channels, channels], use_bias)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = row_sharded_parameter([channels], 1, conv_kernel)
+        self.conv1d.bias = row_sharded_parameter([channels]) if use_conv_bias else None
+        self.x_proj = RowParallelLinear(
+            intermediate_size, time_step_rank + 2 * state_size, tp, columns=channels
         )
-        self.x_proj = nn.Linear(intermediate_size, time_step_rank + 2 * state_size, bias=False)
-        self.dt_proj = nn.Linear(time_step_rank, intermediate_size, bias=True)
-        self.A_log = nn.Parameter(torch.zeros(intermediate_size, state_size))
-        self.D = nn.Parameter(torch.ones(intermediate_size))
-        self.out_proj = nn.Linear(intermediate_size, hidden_size, bias=use_bias)
-        self.ops = ops
-        self.conv_state: torch.Tensor | None = None
-        self.ssm_state: torch.Tensor | None = None
-
-    def cache_bytes_per_slot(self, dtype: torch.dtype, state_dtype: torch.dtype) -> int:
-        conv = self.intermediate_size * (self.conv_kernel - 1)
-        ssm = self.intermediate_size * self.state_size
-        return (
-            conv * torch.empty((), dtype=dtype).element_size()
-            + ssm * torch.empty((), dtype=state_dtype).element_size()
+        self.dt_proj = ColumnParallelLinear(time_step_rank, [channels], bias=True)
+        self.A_log = row_sharded_parameter([channels], state_size)
+        self.D = row_sharded_parameter([channels], fill=1.0)
+        self.out_proj = RowParallelLinear(
+            intermediate_size, hidden_size, tp, use_bias, columns=channels
         )
 
-    def allocate_cache(
-        self, num_slots: int, dtype: torch.dtype, state_dtype: torch.dtype, device: torch.device
-    ) -> None:
-        self.conv_state = torch.zeros(
-            num_slots, self.intermediate_size, self.conv_kernel - 1, dtype=dtype, device=device
-        )
-        self.ssm_state = torch.zeros(
-            num_slots, self.intermediate_size, self.state_size, dtype=state_dtype, device=device
+    def cache_spec(self) -> StateSpec:
+        return StateSpec(
+            (self.intermediate_size, self.conv_kernel - 1),
+            (self.intermediate_size, self.state_size),
         )
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: SSMState) -> torch.Tensor:
         Dm, N = self.intermediate_size, self.state_size
         nd = batch.num_decodes
-        xs, z = self.in_proj(x).chunk(2, dim=-1)
+        xs, z = self.in_proj(x).split([Dm, Dm], dim=-1)
         conv_weight = self.conv1d.weight.view(Dm, self.conv_kernel)
         A = -torch.exp(self.A_log.float())
         dt_bias = self.dt_proj.bias.float()
@@ -79,15 +87,15 @@ class MambaMixer(nn.Module):
             slots = batch.state_slots[:nd]
             u = self.ops.causal_conv1d_update(
                 xs[:nd],
-                self.conv_state,
+                cache.conv,
                 conv_weight,
                 self.conv1d.bias,
                 state_slots=slots,
-                activation="silu",
+                activation=self.activation,
             )
             dt, B, C = self._ssm_inputs(u)
             y = self.ops.selective_state_update(
-                self.ssm_state.view(-1, Dm, 1, N),
+                cache.ssm.view(-1, Dm, 1, N),
                 u.view(nd, Dm, 1),
                 dt.view(nd, Dm, 1),
                 A.view(Dm, 1, N),
@@ -108,11 +116,11 @@ class MambaMixer(nn.Module):
                 xs[nd:],
                 conv_weight,
                 self.conv1d.bias,
-                conv_state=self.conv_state,
+                conv_state=cache.conv,
                 cu_seqlens=cu,
                 state_slots=slots,
                 has_initial_state=has_init,
-                activation="silu",
+                activation=self.activation,
             )
             dt, B, C = self._ssm_inputs(u)
             pieces.append(
@@ -124,7 +132,7 @@ class MambaMixer(nn.Module):
                     C,
                     self.D,
                     cu_seqlens=cu,
-                    ssm_state=self.ssm_state,
+                    ssm_state=cache.ssm,
                     state_slots=slots,
                     has_initial_state=has_init,
                     z=z[nd:],

@@ -1,4 +1,4 @@
-"""Gated MLP (SwiGLU): down(act(gate(x)) * up(x))."""
+"""MLPs: gated (SwiGLU and friends: down(act(gate(x)) * up(x))) and plain (down(act(up(x))))."""
 
 from __future__ import annotations
 
@@ -6,16 +6,55 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from ssmserve.distributed.parallel import TensorParallel
+from ssmserve.layers.linear import ColumnParallelLinear, RowParallelLinear, Segment
+
 
 class GatedMLP(nn.Module):
+    """gate and up fused in one column-parallel matrix (shards 0 and 1), down row-parallel."""
+
     def __init__(
-        self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TensorParallel,
+        act: str = "silu",
+        bias: bool = False,
     ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear.even(
+            hidden_size, [intermediate_size, intermediate_size], tp, bias
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, tp, bias, columns=Segment.even(intermediate_size, tp)
+        )
+        self.act = ACT2FN[act]
+
+    def forward(self, x: torch.Tensor, gate_up_delta: torch.Tensor | None = None) -> torch.Tensor:
+        """`gate_up_delta` (this rank's gate and up columns) is added to the fused
+        projection: a per-use adapter's output (Zamba2's LoRA)."""
+        gate_up = self.gate_up_proj(x)
+        if gate_up_delta is not None:
+            gate_up = gate_up + gate_up_delta
+        gate, up = gate_up.split(self.gate_up_proj.output_sizes, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class MLP(nn.Module):
+    """up -> act -> down (Nemotron-H's squared-ReLU MLP)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TensorParallel,
+        act: str,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.up_proj = ColumnParallelLinear.even(hidden_size, [intermediate_size], tp, bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp, bias)
         self.act = ACT2FN[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.up_proj(x)))

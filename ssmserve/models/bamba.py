@@ -6,14 +6,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ssmserve.kernels import KernelOps
-from ssmserve.layers.attention import Attention
 from ssmserve.layers.batch import ForwardBatch
-from ssmserve.layers.mamba2_mixer import Mamba2Mixer
+from ssmserve.layers.cache import LayerCache, LayerCacheSpec
+from ssmserve.layers.embed import VocabParallelEmbedding
 from ssmserve.layers.mlp import GatedMLP
 from ssmserve.layers.norm import RMSNorm
 from ssmserve.layers.rotary import RotaryEmbedding
-from ssmserve.models.base import CausalLM
+from ssmserve.models.base import (
+    GATE_UP_RULES,
+    QKV_RULES,
+    CausalLM,
+    ModelContext,
+    bamba_style_mamba2,
+    llama_attention,
+)
 
 
 def layer_kinds(cfg) -> list[str]:
@@ -22,54 +28,54 @@ def layer_kinds(cfg) -> list[str]:
 
 
 class BambaDecoderLayer(nn.Module):
-    def __init__(self, cfg, kind: str, ops: KernelOps, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg, kind: str, ctx: ModelContext, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.kind = kind
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if kind == "attention":
-            self.self_attn = Attention(cfg, ops, rotary)
+            self.self_attn = llama_attention(cfg, ctx, rotary)
         else:
-            self.mamba = Mamba2Mixer(
-                hidden_size=cfg.hidden_size,
-                num_heads=cfg.mamba_n_heads,
-                head_dim=cfg.mamba_d_head,
-                state_size=cfg.mamba_d_state,
-                n_groups=cfg.mamba_n_groups,
-                conv_kernel=cfg.mamba_d_conv,
-                chunk_size=cfg.mamba_chunk_size,
-                norm_eps=cfg.rms_norm_eps,
-                ops=ops,
-                time_step_limit=tuple(cfg.time_step_limit),
-                use_bias=cfg.mamba_proj_bias,
-                use_conv_bias=cfg.mamba_conv_bias,
-            )
+            self.mamba = bamba_style_mamba2(cfg, ctx)
         self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.feed_forward = GatedMLP(
             cfg.hidden_size,
             cfg.intermediate_size,
+            ctx.tp,
             cfg.hidden_act,
             bias=getattr(cfg, "mlp_bias", False),
         )
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        mixer = self.self_attn if self.kind == "attention" else self.mamba
-        hidden = hidden + mixer(self.input_layernorm(hidden), batch)
+    def cache_spec(self) -> LayerCacheSpec:
+        if self.kind == "attention":
+            return LayerCacheSpec(kv=self.self_attn.cache_spec())
+        return LayerCacheSpec(state=self.mamba.cache_spec())
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+        x = self.input_layernorm(hidden)
+        if self.kind == "attention":
+            hidden = hidden + self.self_attn(x, batch, cache.kv)
+        else:
+            hidden = hidden + self.mamba(x, batch, cache.state)
         return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
 
 
 class BambaForCausalLM(CausalLM):
-    def __init__(self, hf_config, ops: KernelOps) -> None:
-        super().__init__(hf_config)
+    name_rules = QKV_RULES + GATE_UP_RULES
+
+    def __init__(self, hf_config, ctx: ModelContext) -> None:
+        super().__init__(hf_config, ctx)
         rotary = RotaryEmbedding.from_hf_config(hf_config)
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.model.embed_tokens = VocabParallelEmbedding(
+            hf_config.vocab_size, hf_config.hidden_size, ctx.tp
+        )
         self.model.layers = nn.ModuleList(
-            BambaDecoderLayer(hf_config, kind, ops, rotary) for kind in layer_kinds(hf_config)
+            BambaDecoderLayer(hf_config, kind, ctx, rotary) for kind in layer_kinds(hf_config)
         )
         self.model.final_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.lm_head = self.make_lm_head(hf_config.vocab_size, hf_config.hidden_size)
 
-    def input_embeddings(self) -> nn.Embedding:
+    def input_embeddings(self) -> VocabParallelEmbedding:
         return self.model.embed_tokens
 
     def decoder_layers(self) -> nn.ModuleList:

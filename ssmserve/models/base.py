@@ -1,30 +1,68 @@
-"""What every model gives the engine: forward over a ForwardBatch, logits, and its caches."""
+"""What every model gives the engine: forward over a ForwardBatch and its caches, logits,
+cache specs, and how checkpoint names map onto its parameters."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ssmserve.distributed.parallel import TensorParallel
+from ssmserve.kernels import KernelOps
 from ssmserve.layers.attention import Attention
 from ssmserve.layers.batch import ForwardBatch
+from ssmserve.layers.cache import LayerCache, LayerCacheSpec
+from ssmserve.layers.embed import ParallelLMHead, VocabParallelEmbedding
+from ssmserve.layers.mamba2_mixer import Mamba2Mixer
+from ssmserve.layers.rotary import RotaryEmbedding
+
+# (checkpoint name fragment, module name fragment, shard id): a checkpoint tensor whose
+# name contains the fragment loads into the fused parameter as that shard.
+NameRule = tuple[str, str, int | None]
+
+QKV_RULES: tuple[NameRule, ...] = (
+    (".q_proj.", ".qkv_proj.", 0),
+    (".k_proj.", ".qkv_proj.", 1),
+    (".v_proj.", ".qkv_proj.", 2),
+)
+GATE_UP_RULES: tuple[NameRule, ...] = (
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """What layers are built with: the kernels and this rank's tensor-parallel group."""
+
+    ops: KernelOps
+    tp: TensorParallel
 
 
 class CausalLM(nn.Module):
-    """Base of all model classes. Subclasses build modules named as in the HF checkpoint
-    (so loading is a name-for-name copy) and implement `embed`, `backbone` and `final_norm`.
+    """Base of all model classes: embeddings, decoder blocks walked in order, a final
+    norm and a vocab-parallel LM head.
+
+    A family builds its modules named as in the HF checkpoint where it can, lists in
+    `name_rules` the checkpoint names that load into fused parameters, and implements
+    `input_embeddings`, `decoder_layers` and `final_norm`. Each decoder block takes
+    `(hidden, batch, cache)` and has `cache_spec()`: block i gets the engine's cache i.
     """
 
+    name_rules: tuple[NameRule, ...] = ()
     # Checkpoint tensors that are not parameters (e.g. cached RoPE tables).
     ignored_checkpoint_keys: tuple[str, ...] = ("rotary_emb.inv_freq",)
 
-    def __init__(self, hf_config) -> None:
+    def __init__(self, hf_config, ctx: ModelContext) -> None:
         super().__init__()
         self.hf_config = hf_config
+        self.ctx = ctx
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
 
     # -- subclass interface ---------------------------------------------------------
 
-    def input_embeddings(self) -> nn.Embedding:
+    def input_embeddings(self) -> VocabParallelEmbedding:
         raise NotImplementedError
 
     def decoder_layers(self) -> nn.ModuleList:
@@ -35,49 +73,71 @@ class CausalLM(nn.Module):
 
     # -- shared --------------------------------------------------------------------
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def make_lm_head(self, vocab_size: int, hidden_size: int) -> ParallelLMHead:
+        tied = self.input_embeddings() if self.tie_word_embeddings else None
+        return ParallelLMHead(vocab_size, hidden_size, self.ctx.tp, tied)
+
+    def forward(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every token of the batch."""
         hidden = self.input_embeddings()(batch.input_ids)
-        for layer in self.decoder_layers():
-            hidden = layer(hidden, batch)
+        for layer, cache in zip(self.decoder_layers(), caches, strict=True):
+            hidden = layer(hidden, batch, cache)
         return self.final_norm()(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [K, vocab] on every rank (the vocab-parallel head gathers them)."""
         return self.lm_head(hidden)
 
-    def tie_weights_if_needed(self) -> None:
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.input_embeddings().weight
+    def cache_specs(self) -> list[LayerCacheSpec]:
+        return [layer.cache_spec() for layer in self.decoder_layers()]
 
-    def attention_layers(self) -> list[Attention]:
-        return [m for m in self.modules() if isinstance(m, Attention)]
+    def checkpoint_to_param(self, name: str) -> tuple[str, int | None]:
+        """The parameter a checkpoint tensor loads into, and as which shard."""
+        for fragment, replacement, shard in self.name_rules:
+            if fragment in name:
+                return name.replace(fragment, replacement), shard
+        return name, None
 
-    def ssm_layers(self) -> list[nn.Module]:
-        return [m for m in self.modules() if hasattr(m, "ssm_state")]
+    def param_to_checkpoint(self, name: str, shard: int | None) -> str:
+        """The checkpoint name of a parameter's shard (for messages)."""
+        for fragment, replacement, rule_shard in self.name_rules:
+            if replacement in name and rule_shard == shard:
+                return name.replace(replacement, fragment)
+        return name
 
-    def cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        return sum(a.cache_bytes_per_block(block_size, dtype) for a in self.attention_layers())
 
-    def cache_bytes_per_slot(self, dtype: torch.dtype, state_dtype: torch.dtype) -> int:
-        return sum(m.cache_bytes_per_slot(dtype, state_dtype) for m in self.ssm_layers())
+def llama_attention(cfg, ctx: ModelContext, rotary: RotaryEmbedding | None) -> Attention:
+    """Attention from the config fields Llama-style checkpoints share."""
+    num_heads = cfg.num_attention_heads
+    return Attention(
+        hidden_size=cfg.hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads,
+        ops=ctx.ops,
+        tp=ctx.tp,
+        rotary=rotary,
+        bias=getattr(cfg, "attention_bias", False),
+    )
 
-    def allocate_caches(
-        self,
-        *,
-        num_kv_blocks: int,
-        block_size: int,
-        num_state_slots: int,
-        dtype: torch.dtype,
-        state_dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        for attn in self.attention_layers():
-            attn.allocate_cache(num_kv_blocks, block_size, dtype, device)
-        for mixer in self.ssm_layers():
-            mixer.allocate_cache(num_state_slots, dtype, state_dtype, device)
 
-    def release_caches(self) -> None:
-        for attn in self.attention_layers():
-            attn.k_cache = attn.v_cache = None
-        for mixer in self.ssm_layers():
-            mixer.conv_state = mixer.ssm_state = None
+def bamba_style_mamba2(cfg, ctx: ModelContext, **extra) -> Mamba2Mixer:
+    """Mamba2 from the `mamba_*` config fields Bamba-style checkpoints share (Bamba,
+    Falcon-H1, Granite 4.0-H); `extra` passes the family's own Mamba2Mixer options."""
+    return Mamba2Mixer(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.mamba_n_heads,
+        head_dim=cfg.mamba_d_head,
+        state_size=cfg.mamba_d_state,
+        n_groups=cfg.mamba_n_groups,
+        conv_kernel=cfg.mamba_d_conv,
+        chunk_size=cfg.mamba_chunk_size,
+        norm_eps=cfg.rms_norm_eps,
+        ops=ctx.ops,
+        tp=ctx.tp,
+        activation=cfg.hidden_act,
+        time_step_limit=tuple(cfg.time_step_limit),
+        use_bias=cfg.mamba_proj_bias,
+        use_conv_bias=cfg.mamba_conv_bias,
+        **extra,
+    )

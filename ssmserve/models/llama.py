@@ -5,46 +5,54 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ssmserve.kernels import KernelOps
-from ssmserve.layers.attention import Attention
 from ssmserve.layers.batch import ForwardBatch
+from ssmserve.layers.cache import LayerCache, LayerCacheSpec
+from ssmserve.layers.embed import VocabParallelEmbedding
 from ssmserve.layers.mlp import GatedMLP
 from ssmserve.layers.norm import RMSNorm
 from ssmserve.layers.rotary import RotaryEmbedding
-from ssmserve.models.base import CausalLM
+from ssmserve.models.base import GATE_UP_RULES, QKV_RULES, CausalLM, ModelContext, llama_attention
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, ops: KernelOps, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg, ctx: ModelContext, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, ops, rotary)
+        self.self_attn = llama_attention(cfg, ctx, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(
             cfg.hidden_size,
             cfg.intermediate_size,
+            ctx.tp,
             cfg.hidden_act,
             bias=getattr(cfg, "mlp_bias", False),
         )
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch)
+    def cache_spec(self) -> LayerCacheSpec:
+        return LayerCacheSpec(kv=self.self_attn.cache_spec())
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, cache.kv)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(self, hf_config, ops: KernelOps) -> None:
-        super().__init__(hf_config)
+    name_rules = QKV_RULES + GATE_UP_RULES
+
+    def __init__(self, hf_config, ctx: ModelContext) -> None:
+        super().__init__(hf_config, ctx)
         rotary = RotaryEmbedding.from_hf_config(hf_config)
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.model.embed_tokens = VocabParallelEmbedding(
+            hf_config.vocab_size, hf_config.hidden_size, ctx.tp
+        )
         self.model.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, ops, rotary) for _ in range(hf_config.num_hidden_layers)
+            LlamaDecoderLayer(hf_config, ctx, rotary) for _ in range(hf_config.num_hidden_layers)
         )
         self.model.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.lm_head = self.make_lm_head(hf_config.vocab_size, hf_config.hidden_size)
 
-    def input_embeddings(self) -> nn.Embedding:
+    def input_embeddings(self) -> VocabParallelEmbedding:
         return self.model.embed_tokens
 
     def decoder_layers(self) -> nn.ModuleList:

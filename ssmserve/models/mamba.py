@@ -11,11 +11,12 @@ import math
 import torch
 from torch import nn
 
-from ssmserve.kernels import KernelOps
 from ssmserve.layers.batch import ForwardBatch
+from ssmserve.layers.cache import LayerCache, LayerCacheSpec
+from ssmserve.layers.embed import VocabParallelEmbedding
 from ssmserve.layers.mamba_mixer import MambaMixer
 from ssmserve.layers.norm import RMSNorm
-from ssmserve.models.base import CausalLM
+from ssmserve.models.base import CausalLM, ModelContext
 
 
 class ResidualMixerBlock(nn.Module):
@@ -27,31 +28,36 @@ class ResidualMixerBlock(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
         self.mixer = mixer
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def cache_spec(self) -> LayerCacheSpec:
+        return LayerCacheSpec(state=self.mixer.cache_spec())
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
         # NOTE: HF adds the residual inside each block (in float32 when residual_in_fp32)
         # and feeds the sum on; keep exactly that order of rounding.
         res = hidden.float() if self.residual_in_fp32 else hidden
-        return res + self.mixer(self.norm(hidden.to(self.norm.weight.dtype)), batch)
+        return res + self.mixer(self.norm(hidden.to(self.norm.weight.dtype)), batch, cache.state)
 
 
 class MambaStyleLM(CausalLM):
     """backbone.{embeddings, layers, norm_f} + lm_head; subclasses give the mixer."""
 
-    def __init__(self, hf_config, ops: KernelOps) -> None:
-        super().__init__(hf_config)
+    def __init__(self, hf_config, ctx: ModelContext) -> None:
+        super().__init__(hf_config, ctx)
         self.backbone = nn.Module()
-        self.backbone.embeddings = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.backbone.embeddings = VocabParallelEmbedding(
+            hf_config.vocab_size, hf_config.hidden_size, ctx.tp
+        )
         self.backbone.layers = nn.ModuleList(
-            ResidualMixerBlock(hf_config, self.make_mixer(hf_config, ops))
+            ResidualMixerBlock(hf_config, self.make_mixer(hf_config, ctx))
             for _ in range(hf_config.num_hidden_layers)
         )
         self.backbone.norm_f = RMSNorm(hf_config.hidden_size, hf_config.layer_norm_epsilon)
-        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.lm_head = self.make_lm_head(hf_config.vocab_size, hf_config.hidden_size)
 
-    def make_mixer(self, cfg, ops: KernelOps) -> nn.Module:
+    def make_mixer(self, cfg, ctx: ModelContext) -> nn.Module:
         raise NotImplementedError
 
-    def input_embeddings(self) -> nn.Embedding:
+    def input_embeddings(self) -> VocabParallelEmbedding:
         return self.backbone.embeddings
 
     def decoder_layers(self) -> nn.ModuleList:
@@ -60,14 +66,14 @@ class MambaStyleLM(CausalLM):
     def final_norm(self) -> nn.Module:
         return self.backbone.norm_f
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return super().forward(batch).to(self.lm_head.weight.dtype)
+    def forward(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
+        return super().forward(batch, caches).to(self.lm_head.weight.dtype)
 
 
 class MambaForCausalLM(MambaStyleLM):
     falcon = False
 
-    def make_mixer(self, cfg, ops: KernelOps) -> nn.Module:
+    def make_mixer(self, cfg, ctx: ModelContext) -> nn.Module:
         rank = cfg.time_step_rank
         if rank == "auto":
             rank = math.ceil(cfg.hidden_size / 16)
@@ -77,7 +83,9 @@ class MambaForCausalLM(MambaStyleLM):
             state_size=cfg.state_size,
             conv_kernel=cfg.conv_kernel,
             time_step_rank=int(rank),
-            ops=ops,
+            ops=ctx.ops,
+            tp=ctx.tp,
+            activation=cfg.hidden_act,
             use_bias=cfg.use_bias,
             use_conv_bias=cfg.use_conv_bias,
             bcdt_rms_eps=cfg.mixer_rms_eps if self.falcon else None,

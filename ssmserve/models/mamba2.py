@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from ssmserve.kernels import KernelOps
 from ssmserve.layers.mamba2_mixer import Mamba2Mixer
+from ssmserve.models.base import ModelContext
 from ssmserve.models.mamba import MambaStyleLM
 
 
 class Mamba2ForCausalLM(MambaStyleLM):
-    def make_mixer(self, cfg, ops: KernelOps) -> nn.Module:
+    def make_mixer(self, cfg, ctx: ModelContext) -> nn.Module:
         return Mamba2Mixer(
             hidden_size=cfg.hidden_size,
             num_heads=cfg.num_heads,
@@ -20,7 +20,9 @@ class Mamba2ForCausalLM(MambaStyleLM):
             conv_kernel=cfg.conv_kernel,
             chunk_size=cfg.chunk_size,
             norm_eps=cfg.layer_norm_epsilon,
-            ops=ops,
+            ops=ctx.ops,
+            tp=ctx.tp,
+            activation=cfg.hidden_act,
             time_step_limit=tuple(cfg.time_step_limit),
             use_bias=cfg.use_bias,
             use_conv_bias=cfg.use_conv_bias,

@@ -1,0 +1,128 @@
+"""The model layer's sharding rules, against whole-matrix references on simulated ranks,
+and the loader's and mixers' refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from ssmserve import LLM
+from ssmserve.distributed.parallel import TensorParallel
+from ssmserve.layers.embed import VocabParallelEmbedding
+from ssmserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from ssmserve.layers.mamba2_mixer import Mamba2Shard
+
+
+def ranks(size: int) -> list[TensorParallel]:
+    return [TensorParallel(rank=r, size=size) for r in range(size)]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_merged_column_shards_concatenate_to_the_whole_product(size):
+    gen = torch.Generator().manual_seed(0)
+    gate, up, x = (torch.randn(s, generator=gen) for s in ((7, 5), (7, 5), (4, 5)))
+    whole_gate, whole_up = F.linear(x, gate), F.linear(x, up)
+    parts = []
+    for tp in ranks(size):
+        layer = ColumnParallelLinear.even(5, [7, 7], tp)
+        layer.weight.weight_loader(layer.weight, gate, 0)
+        layer.weight.weight_loader(layer.weight, up, 1)
+        parts.append(layer(x).split(layer.output_sizes, dim=-1))
+    torch.testing.assert_close(torch.cat([g for g, _ in parts], -1), whole_gate)
+    torch.testing.assert_close(torch.cat([u for _, u in parts], -1), whole_up)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_row_parallel_partial_products_sum_to_the_whole_product(size):
+    gen = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(6, 10, generator=gen), torch.randn(3, 10, generator=gen)
+    total = torch.zeros(3, 6)
+    for tp in ranks(size):
+        layer = RowParallelLinear(10, 6, tp)
+        layer.weight.weight_loader(layer.weight, weight)
+        cols = layer.weight.columns.rows
+        total += F.linear(x[:, cols.start : cols.stop], layer.weight)
+    torch.testing.assert_close(total, F.linear(x, weight))
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "size"), [(6, 2, 2), (6, 1, 3), (4, 2, 4), (6, 3, 3)]
+)
+def test_qkv_shards_hold_the_kv_heads_their_query_heads_read(heads, kv_heads, size):
+    head_dim, hidden = 3, 4
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(heads * head_dim, hidden, generator=gen)
+    k = torch.randn(kv_heads * head_dim, hidden, generator=gen)
+    for tp in ranks(size):
+        layer = QKVParallelLinear(hidden, head_dim, heads, kv_heads, tp)
+        layer.weight.weight_loader(layer.weight, q, 0)
+        layer.weight.weight_loader(layer.weight, k, 1)
+        layer.weight.weight_loader(layer.weight, k, 2)
+        local_q, local_k, _ = layer.weight.split(layer.output_sizes)
+        per_kv = layer.num_local_heads // layer.num_local_kv_heads
+        for j, h in enumerate(layer.q_heads):
+            torch.testing.assert_close(
+                local_q.view(-1, head_dim, hidden)[j], q.view(-1, head_dim, hidden)[h]
+            )
+            g = h // (heads // kv_heads)  # the KV head query head h reads
+            torch.testing.assert_close(
+                local_k.view(-1, head_dim, hidden)[j // per_kv], k.view(-1, head_dim, hidden)[g]
+            )
+
+
+@pytest.mark.parametrize(
+    ("heads", "groups", "size"), [(6, 3, 2), (6, 1, 3), (8, 4, 2), (12, 3, 4), (7, 7, 3)]
+)
+def test_mamba2_shard_gives_each_local_head_its_group(heads, groups, size):
+    covered = []
+    for tp in ranks(size):
+        shard = Mamba2Shard.plan(heads, groups, tp)
+        per_local_group = len(shard.heads) // len(shard.groups)
+        for j, h in enumerate(shard.heads):
+            assert shard.groups[j // per_local_group] == h // (heads // groups)
+        covered.extend(shard.heads)
+    assert covered == list(range(heads))
+
+
+def test_vocab_parallel_embedding_pads_and_looks_up_every_id():
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randn(11, 4, generator=gen)
+    ids = torch.arange(11)
+    rows = []
+    for tp in ranks(3):
+        emb = VocabParallelEmbedding(11, 4, tp)
+        emb.weight.weight_loader(emb.weight, table, None)
+        assert emb.weight.shape[0] == 4  # 11 padded to 12
+        rows.append(emb.weight)
+    padded = torch.cat(rows)
+    torch.testing.assert_close(padded[:11], table)
+    assert torch.count_nonzero(padded[11:]) == 0
+    torch.testing.assert_close(F.embedding(ids, padded), table)
+
+
+def test_a_missing_fused_shard_is_named_as_the_checkpoint_names_it(checkpoint, tmp_path):
+    path = shutil.copytree(checkpoint("llama"), tmp_path / "llama")
+    weights = load_file(path / "model.safetensors")
+    weights.pop("model.layers.1.self_attn.k_proj.weight")
+    weights.pop("model.layers.0.mlp.up_proj.weight")
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as info:
+        LLM(str(path), device="cpu")
+    message = str(info.value)
+    assert "model.layers.1.self_attn.k_proj.weight" in message
+    assert "model.layers.0.mlp.up_proj.weight" in message
+    assert "q_proj" not in message and "gate_proj" not in message
+
+
+def test_an_ssm_activation_the_kernels_lack_is_refused(checkpoint, tmp_path):
+    path = shutil.copytree(checkpoint("mamba2"), tmp_path / "act")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["hidden_act"] = "gelu"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="hidden_act = 'gelu'"):
+        LLM(str(path), device="cpu")
