@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 # Temperatures below this are greedy: dividing logits by them overflows (vLLM's rule too).
 GREEDY_TEMPERATURE_BELOW = 1e-5
-# Seeds are 64-bit signed integers, as OpenAI's API types them.
-SEED_RANGE = (-(2**63), 2**63 - 1)
+# Seeds are 64-bit integers, signed (as OpenAI's API types them) or unsigned.
+SEED_RANGE = (-(2**63), 2**64 - 1)
 # top_k above the largest vocabulary anyone trains is a mistake, not a wish for "off".
 MAX_TOP_K = 2**31 - 1
 
@@ -92,7 +92,7 @@ class SamplingParams:
         if not 0.0 < self.repetition_penalty < math.inf:
             bad(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
-            bad(f"seed must be in [-2**63, 2**63 - 1] (a 64-bit integer), got {self.seed}")
+            bad(f"seed must be in [-2**63, 2**64 - 1] (a 64-bit integer), got {self.seed}")
         if self.logprobs is not None and self.logprobs < 0:
             bad(f"logprobs must be >= 0, got {self.logprobs}")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:

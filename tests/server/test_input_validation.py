@@ -57,7 +57,7 @@ def test_a_surrogate_pair_is_text(server, engine):
         assert r.status_code == 200 and r.json()["tokens"] == engine.tokenizer("😀").input_ids
 
 
-@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 10**30])
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
 def test_seed_out_of_range_names_seed(server, seed):
     body = {"model": MODEL_NAME, "prompt": "def", "max_tokens": 2, "seed": seed}
     r = httpx.post(server.base_url + "/v1/completions", json=body)
@@ -111,9 +111,10 @@ def test_sampling_params_validation_offline():
         dict(temperature=math.nan),
         dict(repetition_penalty=math.inf),
         dict(top_k=2**31),
-        dict(seed=2**63),
+        dict(seed=2**64),
         dict(seed=-(2**63) - 1),
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
     assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
