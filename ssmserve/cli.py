@@ -6,7 +6,10 @@ import argparse
 import logging
 import sys
 
+from ssmserve import __version__
 from ssmserve.config import EngineConfig, add_engine_args
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -94,7 +97,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ssmserve", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--log-level", default="WARNING", help=f"one of {', '.join(LOG_LEVELS)} (default WARNING)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete prompts, streaming to the terminal")
@@ -118,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_parser(sub)
 
     args = parser.parse_args(argv)
+    if args.log_level.upper() not in LOG_LEVELS:
+        print(
+            f"error: --log-level must be one of {', '.join(LOG_LEVELS)}; got {args.log_level!r}",
+            file=sys.stderr,
+        )
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)
 

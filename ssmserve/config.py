@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from typing import Any
@@ -20,6 +21,14 @@ STATE_DTYPES = ("float32", "bfloat16", "float16", "auto")
 LOAD_FORMATS = ("auto", "dummy")
 
 
+def bundled_model_names() -> list[str]:
+    """Names of the models shipped inside the installed package (`--model NAME` loads one)."""
+    root = resources.files("ssmserve").joinpath("model_data")
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.joinpath("config.json").is_file())
+
+
 def bundled_model_path(name: str = DEFAULT_MODEL_NAME) -> str:
     """Folder of a model shipped inside the installed package."""
     path = resources.files("ssmserve").joinpath("model_data", name)
@@ -32,7 +41,8 @@ def bundled_model_path(name: str = DEFAULT_MODEL_NAME) -> str:
 
 
 def resolve_model_path(model: str | None) -> str:
-    """A local folder, a hub id already in the local Hugging Face cache, or the bundled model."""
+    """A local folder, a bundled model's name, a hub id already in the local Hugging Face
+    cache, or (None) the default bundled model."""
     if model is None:
         return bundled_model_path()
     if os.path.isdir(model):
@@ -42,6 +52,9 @@ def resolve_model_path(model: str | None) -> str:
                 "checkpoint folder (config.json, *.safetensors, tokenizer files)"
             )
         return model
+    bundled = bundled_model_names()
+    if model in bundled:
+        return bundled_model_path(model)
     if model.count("/") == 1 and not model.startswith((".", "/")):
         from huggingface_hub import snapshot_download
 
@@ -50,11 +63,40 @@ def resolve_model_path(model: str | None) -> str:
         except Exception as exc:  # noqa: BLE001 - any failure means "not cached"
             raise FileNotFoundError(
                 f"model {model!r} is neither a local folder nor in the local Hugging Face cache; "
-                f"download it first (huggingface-cli download {model}) or pass a folder path"
+                f"download it first (hf download {model}) or pass a folder path"
             ) from exc
     raise FileNotFoundError(
-        f"model folder {model!r} does not exist; pass a checkpoint folder or a cached hub id"
+        f"model folder {model!r} does not exist; pass a checkpoint folder, a cached hub id, or "
+        f"a bundled model ({', '.join(bundled)})"
     )
+
+
+def _load_without_code(load: Callable[..., Any], path: str, what: str) -> Any:
+    """`load(path)` with transformers told never to run (or ask to run) checkpoint code."""
+    try:
+        return load(path, trust_remote_code=False)
+    except ValueError as exc:
+        if "trust_remote_code" not in str(exc):
+            raise
+        raise ValueError(
+            f"the checkpoint {path} needs its own Python code to load its {what} (auto_map); "
+            "ssmserve never runs code from a checkpoint. Use a checkpoint whose model and "
+            "tokenizer transformers supports natively"
+        ) from None
+
+
+def load_hf_config(path: str) -> Any:
+    """transformers' config of a checkpoint, never running its code."""
+    from transformers import AutoConfig
+
+    return _load_without_code(AutoConfig.from_pretrained, path, "config")
+
+
+def load_tokenizer(path: str) -> Any:
+    """The checkpoint's tokenizer, never running its code."""
+    from transformers import AutoTokenizer
+
+    return _load_without_code(AutoTokenizer.from_pretrained, path, "tokenizer")
 
 
 # Files any of which means a folder carries its own tokenizer.
@@ -103,9 +145,7 @@ class ModelConfig:
                 f"architecture {archs or 'missing'} of {path} is not supported; supported: "
                 + ", ".join(sorted(supported))
             )
-        from transformers import AutoConfig
-
-        hf_config = AutoConfig.from_pretrained(path)
+        hf_config = load_hf_config(path)
         eos = raw.get("eos_token_id")
         gen_path = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen_path):

@@ -23,6 +23,13 @@ def checkpoint_files(path: str) -> list[str]:
     if os.path.isfile(index):
         with open(index) as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
+        outside = [s for s in shards if not _inside_folder(s)]
+        if outside:
+            raise ValueError(
+                f"{index} names shard files outside the checkpoint folder "
+                f"({', '.join(map(repr, outside[:3]))}); ssmserve reads only files inside "
+                "it. Fix the index or re-download the checkpoint"
+            )
         missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
         if missing:
             raise FileNotFoundError(
@@ -37,6 +44,17 @@ def checkpoint_files(path: str) -> list[str]:
         f"no model.safetensors or model.safetensors.index.json in {path}; ssmserve loads "
         "safetensors checkpoints (convert .bin files with transformers' save_pretrained)"
     )
+
+
+def _inside_folder(name: str) -> bool:
+    """A shard name from an index stays inside the folder: relative, no `..` part.
+
+    Checked on the name, not the resolved path: a Hugging Face cache snapshot's files are
+    symlinks into its blob store, outside the snapshot folder, and are fine.
+    """
+    if os.path.isabs(name) or os.path.splitdrive(name)[0]:
+        return False
+    return ".." not in name.replace("\\", "/").split("/")
 
 
 @torch.no_grad()

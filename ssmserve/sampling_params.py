@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
+
+# Temperatures below this are greedy: dividing logits by them overflows (vLLM's rule too).
+GREEDY_TEMPERATURE_BELOW = 1e-5
+# Seeds are 64-bit integers, signed (as OpenAI's API types them) or unsigned.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+# top_k above the largest vocabulary anyone trains is a mistake, not a wish for "off".
+MAX_TOP_K = 2**31 - 1
 
 
 class RequestOutputKind(enum.Enum):
@@ -18,10 +26,10 @@ class RequestOutputKind(enum.Enum):
 class SamplingParams:
     """Per-request sampling settings. Invalid values raise ValueError with a fix.
 
-    temperature 0 means greedy. top_k <= 0 (or -1) and top_p = 1 and min_p = 0 disable
-    those filters. `logprobs` is the number of top alternatives returned per generated
-    token (the sampled token is always included); `prompt_logprobs` likewise per prompt
-    token.
+    temperature 0 means greedy; a temperature below 1e-5 is greedy too (it is set to 0).
+    top_k <= 0 (or -1) and top_p = 1 and min_p = 0 disable those filters. `logprobs` is the
+    number of top alternatives returned per generated token (the sampled token is always
+    included); `prompt_logprobs` likewise per prompt token.
     """
 
     n: int = 1
@@ -54,6 +62,8 @@ class SamplingParams:
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0
         self._validate()
+        if self.temperature < GREEDY_TEMPERATURE_BELOW:
+            self.temperature = 0.0
 
     def _validate(self) -> None:
         def bad(msg: str) -> None:
@@ -67,8 +77,10 @@ class SamplingParams:
             bad(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if not self.temperature >= 0.0:
-            bad(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:
+            bad(f"temperature must be >= 0 and finite (0 means greedy), got {self.temperature}")
+        if self.top_k > MAX_TOP_K:
+            bad(f"top_k must be at most {MAX_TOP_K} (or -1 or 0 for off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -77,8 +89,10 @@ class SamplingParams:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if not self.repetition_penalty > 0.0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            bad(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            bad(f"seed must be in [-2**63, 2**64 - 1] (a 64-bit integer), got {self.seed}")
         if self.logprobs is not None and self.logprobs < 0:
             bad(f"logprobs must be >= 0, got {self.logprobs}")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:

@@ -17,6 +17,7 @@ from ssmserve.config import (
     DEFAULT_MODEL_NAME,
     EngineConfig,
     ModelConfig,
+    load_tokenizer,
     resolve_model_path,
     resolve_tokenizer_path,
     resolve_torch_dtype,
@@ -44,6 +45,20 @@ DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
 
 class InvalidRequestError(ValueError):
     """A request the engine cannot take; the message says what to change."""
+
+
+class RequestFailedError(RuntimeError):
+    """Requests failed inside a step. They are gone (blocks and slots freed); every other
+    request went on, and the step's other outputs are in `outputs`.
+
+    `failures` maps each failed request id to its exception.
+    """
+
+    def __init__(self, failures: dict[str, Exception], outputs: list[RequestOutput]) -> None:
+        detail = "; ".join(f"{rid}: {type(e).__name__}: {e}" for rid, e in failures.items())
+        super().__init__(f"{len(failures)} request(s) failed: {detail}")
+        self.failures = failures
+        self.outputs = outputs
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -102,9 +117,7 @@ class LLMEngine:
             and not (torch.cuda.is_bf16_supported())
         ):
             raise RuntimeError("this GPU has no bfloat16 support; pass --dtype float16")
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(
+        self.tokenizer = load_tokenizer(
             resolve_tokenizer_path(config.tokenizer, path, config.load_format)
         )
         self.executor = _make_executor(config, self.model_config, self.device, self.dtype)
@@ -116,6 +129,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer)
         self._in_flight: deque[_Step] = deque()  # launched, not yet collected
+        self._failures: dict[str, Exception] = {}  # requests that failed in this step
         self._generator = torch.Generator(self.device).manual_seed(config.seed)
         self.prompt_tokens_total = 0
 
@@ -284,7 +298,17 @@ class LLMEngine:
         step n, launches it as soon as n's tokens are back, and builds n's outputs while
         n+1 runs: each call returns the outputs of the step before. Without it, each call
         runs one step start to finish. Both give every request the same output.
+
+        Raises RequestFailedError (with the other outputs) when some requests failed in
+        their own bookkeeping; the engine stays usable. Any other exception is fatal.
         """
+        outputs = self._step()
+        if self._failures:
+            failures, self._failures = self._failures, {}
+            raise RequestFailedError(failures, outputs)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         depth = self.executor.depth if self.config.overlap_steps else 1
         plan = self._plan(allow_pending=depth == 1)
         if not self.config.overlap_steps:
@@ -382,7 +406,18 @@ class LLMEngine:
             for (chunk, _), t in zip(step.sampling, step.sampled.token_ids, strict=True)
         }
         step.advanced = self.scheduler.update(step.plan, sampled)
-        self.outputs.record(step.advanced, step.sampled, step.row_of, self._stop, step.time)
+        for request in step.advanced:
+            if request.request_id not in self.outputs.owner:
+                continue  # its group failed earlier in this step
+            try:
+                self.outputs.record([request], step.sampled, step.row_of, self._stop, step.time)
+            except Exception as exc:  # noqa: BLE001 - fails that request only
+                self._fail(self.outputs.owner[request.request_id][0].request_id, exc)
+
+    def _fail(self, group_id: str, exc: Exception) -> None:
+        logger.error("request %s failed: %s: %s", group_id, type(exc).__name__, exc)
+        self._failures[group_id] = exc
+        self.abort_request(group_id)
 
     def _stop(self, request: Request, stop: str) -> None:
         if request.is_finished:
@@ -393,15 +428,28 @@ class LLMEngine:
 
     def _finish(self, step: _Step) -> list[RequestOutput]:
         """The step's RequestOutputs (built while the next step runs)."""
-        touched = {self.outputs.owner[r.request_id][0].request_id: None for r in step.advanced}
+        owner = self.outputs.owner
+        touched = {
+            owner[r.request_id][0].request_id: None for r in step.advanced if r.request_id in owner
+        }
         if step.prompt_logprobs is not None:
             values, at = step.prompt_logprobs.tolist(), 0
             for group, first, count, _ in step.prompt_spans:
                 size = count * (2 + 2 * (group.params.prompt_logprobs or 0))
-                self._record_prompt_logprobs(group, first, count, values[at : at + size])
-                touched.setdefault(group.request_id, None)
+                if group.request_id in self.outputs.groups:
+                    try:
+                        self._record_prompt_logprobs(group, first, count, values[at : at + size])
+                        touched.setdefault(group.request_id, None)
+                    except Exception as exc:  # noqa: BLE001 - fails that request only
+                        self._fail(group.request_id, exc)
                 at += size
-        return self.outputs.outputs(list(touched), time.time())
+        now, outputs = time.time(), []
+        for group_id in touched:
+            try:
+                outputs += self.outputs.outputs([group_id], now)
+            except Exception as exc:  # noqa: BLE001 - fails that request only
+                self._fail(group_id, exc)
+        return outputs
 
     def _record_prompt_logprobs(
         self, group: Group, first: int, count: int, values: list[float]

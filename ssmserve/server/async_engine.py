@@ -14,9 +14,10 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
+from ssmserve.engine.engine import RequestFailedError
 from ssmserve.outputs import RequestOutput
 from ssmserve.sampling_params import SamplingParams
 
@@ -29,6 +30,10 @@ class EngineDeadError(RuntimeError):
 
 class RequestAbortedError(RuntimeError):
     """The request was aborted before it finished (by the client or at shutdown)."""
+
+
+class ServerStoppingError(RequestAbortedError):
+    """The server is shutting down: a running request was cut, or a new one refused."""
 
 
 class RequestStream:
@@ -84,6 +89,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}
         self._pending: set[asyncio.Future] = set()
         self._dead: EngineDeadError | None = None
+        self._stopping: ServerStoppingError | None = None
         self._stats: dict[str, int] = dict(engine.stats())
 
     @classmethod
@@ -103,11 +109,17 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="ssmserve-step-loop", daemon=True)
         self._thread.start()
 
+    def stop_requests(self, error: ServerStoppingError) -> None:
+        """Fail every running request with `error` (freeing its cache) and refuse new ones
+        with it; the step thread keeps running."""
+        self._stopping = error
+        for stream in list(self._streams.values()):
+            stream._put(error)
+            stream.abort()
+
     async def shutdown(self) -> None:
         """Abort whatever still runs, stop the step thread and wait for it."""
-        for stream in list(self._streams.values()):
-            stream._put(RequestAbortedError("the server is shutting down"))
-            stream.abort()
+        self.stop_requests(ServerStoppingError("the server is shutting down"))
         self._stop = True
         self._wakeup.set()
         if self._thread is not None:
@@ -130,8 +142,9 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         """Queue a request; return its stream once the engine has accepted it.
 
-        Raises the engine's InvalidRequestError (a ValueError) for bad input, and
-        EngineDeadError when the step loop is not running.
+        Raises the engine's InvalidRequestError (a ValueError) for bad input,
+        ServerStoppingError once the server is stopping, and EngineDeadError when the step
+        loop is not running.
         """
         self._check_alive()
         if request_id in self._streams:
@@ -169,6 +182,8 @@ class AsyncLLMEngine:
             raise self._dead
         if self._thread is None:
             raise EngineDeadError("the engine is not running (not started or shut down)")
+        if self._stopping is not None:
+            raise self._stopping
 
     async def _submit(self, command: tuple) -> Any:
         assert self._loop is not None
@@ -194,6 +209,12 @@ class AsyncLLMEngine:
             if output.finished:
                 del self._streams[output.request_id]
             stream._put(output)
+
+    def _fail_requests(self, failures: dict[str, Exception]) -> None:
+        for request_id, exc in failures.items():
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream._put(RequestFailedError({request_id: exc}, []))
 
     def _fail_everything(self, error: EngineDeadError) -> None:
         self._dead = error
@@ -233,7 +254,12 @@ class AsyncLLMEngine:
                     self._wakeup.wait()
                     self._wakeup.clear()
                     continue
-                outputs = engine.step()
+                try:
+                    outputs = engine.step()
+                except RequestFailedError as exc:
+                    # Those requests are gone from the engine; everything else goes on.
+                    outputs = exc.outputs
+                    loop.call_soon_threadsafe(self._fail_requests, exc.failures)
                 self._stats = dict(engine.stats())
                 if outputs:
                     loop.call_soon_threadsafe(self._deliver, outputs)
@@ -265,22 +291,14 @@ class AsyncLLMEngine:
                 result, error = None, None
                 try:
                     if not accept_adds:
-                        raise EngineDeadError("the server is shutting down")
+                        raise ServerStoppingError("the server is shutting down")
                     self.engine.add_request(request_id, prompt, params)
-                except EngineDeadError as exc:
+                except ServerStoppingError as exc:
                     error = exc
                 except ValueError as exc:  # InvalidRequestError and SamplingParams errors
                     error = exc
                 except Exception as exc:  # noqa: BLE001 - one bad request must not kill the loop
                     logger.exception("adding request %s failed", request_id)
-                    error = exc
-                loop.call_soon_threadsafe(self._resolve, future, result, error)
-            elif kind == "call":
-                _, fn, future = command
-                result, error = None, None
-                try:
-                    result = fn(self.engine)
-                except Exception as exc:  # noqa: BLE001 - handed back to the caller
                     error = exc
                 loop.call_soon_threadsafe(self._resolve, future, result, error)
 
@@ -289,8 +307,3 @@ class AsyncLLMEngine:
             self.engine.abort_request(request_id)
         except Exception:  # noqa: BLE001 - aborting an already-finished request is harmless
             logger.debug("abort of %s failed", request_id, exc_info=True)
-
-    async def call_in_engine_thread(self, fn: Callable[[Any], Any]) -> Any:
-        """Run `fn(engine)` on the step thread between two steps and return its result."""
-        self._check_alive()
-        return await self._submit(("call", fn))

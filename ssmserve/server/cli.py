@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -10,12 +11,47 @@ import sys
 import threading
 from typing import Any
 
+import uvicorn
+
 from ssmserve.config import EngineConfig, add_engine_args
-from ssmserve.server.api import DEFAULT_MAX_BODY_BYTES
+from ssmserve.server.options import ServerOptions
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "SSMSERVE_API_KEY"
+
+# Help of the flags made from ServerOptions' fields (--max-n for max_n, ...).
+_OPTION_HELP = {
+    "max_n": "most samples (`n`) one request may ask for",
+    "max_prompts_per_request": "most prompts in one /v1/completions request",
+    "max_stop_strings": "most stop strings in one request",
+    "max_stop_string_length": "most characters in one stop string",
+    "max_request_body_bytes": "larger request bodies get 413",
+    "tokenizer_pool_size": "threads that tokenize prompts and render chat templates",
+    "trust_request_chat_template": "run chat templates sent in requests (`chat_template`, "
+    "`chat_template_kwargs.chat_template`), sandboxed and time-limited; refused by default",
+    "chat_template_timeout": "seconds a request's chat template may take to render",
+    "enable_tokenizer_info_endpoint": "serve GET /tokenizer_info (lm-eval's remote tokenizer "
+    "uses it)",
+    "shutdown_timeout": "on SIGTERM, the process is gone within this many seconds; requests "
+    "still running near the end are cut (streams get an error event and [DONE], others 503)",
+}
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server; as it stops accepting connections it starts the app's shutdown
+    clock (`ssmserve.server.app.begin_shutdown`), so requests still running near
+    --shutdown-timeout end with an error instead of a cut connection."""
+
+    def __init__(self, config: uvicorn.Config, app: Any) -> None:
+        super().__init__(config)
+        self._app = app
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        from ssmserve.server.app import begin_shutdown
+
+        begin_shutdown(self._app)
+        await super().shutdown(sockets)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -62,19 +98,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="NAME",
         help="name(s) clients use in `model`; the first is reported (default: MODEL as given)",
     )
-    g.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        help="larger request bodies get 413 (default 16 MiB)",
-    )
-    g.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, seconds to let in-flight requests finish before they "
-        "are aborted (default 30)",
-    )
+    for f in dataclasses.fields(ServerOptions):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            g.add_argument(flag, action="store_true", help=_OPTION_HELP[f.name])
+        else:
+            kind = int if f.type == "int" else float
+            g.add_argument(
+                flag,
+                type=kind,
+                default=f.default,
+                help=f"{_OPTION_HELP[f.name]} (default %(default)s)",
+            )
     g.add_argument(
         "--uvicorn-log-level",
         default="info",
@@ -87,9 +122,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the engine, then serve until SIGINT/SIGTERM; return the exit code."""
-    import uvicorn
-
-    from ssmserve.server.api import build_app
+    from ssmserve.server.app import build_app
     from ssmserve.server.async_engine import AsyncLLMEngine
 
     if args.model_tag and args.model and args.model_tag != args.model:
@@ -101,41 +134,51 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     model = args.model_tag or args.model
     try:
+        options = ServerOptions(
+            **{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerOptions)}
+        )
         config = EngineConfig.from_args(args, model=model)
         async_engine = AsyncLLMEngine.from_config(config)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     names = args.served_model_name or [model or async_engine.model_name]
-    app = build_app(
-        async_engine, names, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes
+    app = build_app(async_engine, names, api_key=args.api_key, options=options)
+    for line in _startup_lines(async_engine.engine, names, f"http://{args.host}:{args.port}"):
+        print(f"ssmserve: {line}", file=sys.stderr, flush=True)
+    uvicorn_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        # A backstop: the app cuts what still runs shortly before this.
+        timeout_graceful_shutdown=options.shutdown_timeout,
     )
-    logger.info(
-        "serving %s as %s on http://%s:%d",
-        model or "the bundled model",
-        ", ".join(names),
-        args.host,
-        args.port,
-    )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
-            timeout_graceful_shutdown=args.shutdown_timeout,
-        )
-    )
-    # uvicorn handles SIGINT/SIGTERM: it stops accepting, waits up to the shutdown timeout
-    # for in-flight responses, cancels the rest (which aborts them), then runs the app's
-    # lifespan shutdown, which stops the engine thread. Afterwards it re-raises the signal
-    # to the handler it found; ours makes that a no-op, so a clean shutdown exits 0.
+    server = DrainingServer(uvicorn_config, app)
+    # uvicorn handles SIGINT/SIGTERM: it stops accepting, waits for in-flight responses
+    # (the app cuts those still running just before --shutdown-timeout), then runs the
+    # app's lifespan shutdown, which stops the engine thread. Afterwards it re-raises the
+    # signal to the handler it found; ours makes that a no-op, so a clean shutdown exits 0.
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _after_graceful_shutdown)
     server.run()
     logger.info("server stopped")
     return 0
+
+
+def _startup_lines(engine: Any, names: list[str], url: str) -> list[str]:
+    """What is served, where it runs, its cache plan and its URL."""
+    plan = engine.cache_plan
+    return [
+        f"model {engine.model_config.path} ({engine.model_config.architecture}), "
+        f"served as {', '.join(names)}",
+        f"device {engine.device}, {str(engine.dtype).removeprefix('torch.')}, "
+        f"max_model_len {engine.model_config.max_model_len}",
+        f"cache: {plan.num_kv_blocks} KV blocks of {engine.config.block_size} tokens, "
+        f"{plan.num_state_slots} state slots, up to {plan.max_num_seqs} requests at once",
+        f"OpenAI API at {url}/v1 (health: {url}/health)",
+    ]
 
 
 def _after_graceful_shutdown(sig: int, frame: Any) -> None:

@@ -10,14 +10,50 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
 # Upper bound on top alternatives per token (OpenAI allows 5 for completions, 20 for chat).
 MAX_LOGPROBS = 20
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class RequestModel(OpenAIModel):
+    """A request body: every string in it must be encodable as UTF-8.
+
+    JSON can carry a lone UTF-16 surrogate (`"\\ud800"`) that Python accepts as text but no
+    tokenizer or UTF-8 encoder does; such input is refused here, naming the field.
+    """
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _encodable(cls, value: Any, info: ValidationInfo) -> Any:
+        _check_encodable(value, info.field_name)
+        return value
+
+
+def _check_encodable(value: Any, field: str | None) -> None:
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"{field} holds a lone UTF-16 surrogate ({value[exc.start]!a}) at character "
+                    f"{exc.start}, which is not valid Unicode text; send valid UTF-8"
+                ) from None
+    elif isinstance(value, list):
+        # Lists of numbers (token ids) are the long ones; they hold no text.
+        if value and isinstance(value[0], (str, list, dict)):
+            for item in value:
+                _check_encodable(item, field)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_encodable(key, field)
+            _check_encodable(item, field)
 
 
 # ----------------------------------------------------------------------------- errors
@@ -41,13 +77,18 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(RequestModel):
     """Sampling fields common to both endpoints."""
 
     model: str | None = None
@@ -77,7 +118,8 @@ class SamplingFields(OpenAIModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    # 0 only with echo: the prompt and its logprobs, nothing generated (vLLM's extension).
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None  # refused if set
@@ -114,10 +156,10 @@ class CompletionResponse(OpenAIModel):
 # ----------------------------------------------------------------------------- chat
 
 
-class ChatMessage(OpenAIModel):
+class ChatMessage(RequestModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the template
 
-    role: str
+    role: Literal[CHAT_ROLES]
     content: str | list[dict[str, Any]] | None = None
 
 
@@ -129,6 +171,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True  # extension
     continue_final_message: bool = False  # extension
+    chat_template: str | None = None  # extension; refused unless the server trusts it
     chat_template_kwargs: dict[str, Any] | None = None  # extension
     tools: list[dict[str, Any]] | None = None  # refused if non-empty
     response_format: dict[str, Any] | None = None  # only {"type": "text"}
@@ -172,8 +215,14 @@ class ChatCompletionResponse(OpenAIModel):
 
 
 class DeltaMessage(OpenAIModel):
+    """A streamed piece of the reply; fields without a value are left out, as OpenAI does."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(OpenAIModel):
@@ -211,7 +260,7 @@ class ModelList(OpenAIModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestModel):
     """Either `prompt` (text) or `messages` (rendered through the chat template)."""
 
     model: str | None = None
@@ -219,15 +268,17 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False  # extension: also each token's vocabulary string
 
 
 class TokenizeResponse(OpenAIModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -17,8 +17,10 @@ import uvicorn
 
 from ssmserve.config import EngineConfig
 from ssmserve.engine.engine import LLMEngine
-from ssmserve.server.api import build_app
+from ssmserve.server.app import build_app
 from ssmserve.server.async_engine import AsyncLLMEngine
+from ssmserve.server.cli import DrainingServer
+from ssmserve.server.options import ServerOptions
 
 MODEL_NAME = "tiny-bamba"
 MAX_MODEL_LEN = 512
@@ -41,7 +43,8 @@ def free_port() -> int:
 
 
 class ServerThread:
-    """A uvicorn server for `app` on a free port of 127.0.0.1, run in a daemon thread."""
+    """The server `ssmserve serve` runs, for `app` on a free port of 127.0.0.1, in a daemon
+    thread (no signals there: `should_exit` stops it as SIGTERM would)."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -52,9 +55,9 @@ class ServerThread:
             host="127.0.0.1",
             port=self.port,
             log_level="warning",
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=app.state.serving.options.shutdown_timeout,
         )
-        self.server = uvicorn.Server(config)
+        self.server = DrainingServer(config, app)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> ServerThread:
@@ -126,7 +129,7 @@ def engine(bamba_checkpoint):
 
 @pytest.fixture(scope="session")
 def server(engine) -> Iterator[ServerThread]:
-    app = build_app(AsyncLLMEngine(engine), MODEL_NAME)
+    app = build_app(AsyncLLMEngine(engine), MODEL_NAME, options=ServerOptions(shutdown_timeout=5))
     with ServerThread(app) as handle:
         yield handle
 
@@ -135,6 +138,7 @@ def server(engine) -> Iterator[ServerThread]:
 def guarded_server(checkpoint_without_chat_template) -> Iterator[ServerThread]:
     """A server with an API key, a 64 KiB body limit and a model without a chat template."""
     engine = make_engine(checkpoint_without_chat_template)
-    app = build_app(AsyncLLMEngine(engine), MODEL_NAME, api_key=API_KEY, max_body_bytes=65536)
+    options = ServerOptions(max_request_body_bytes=65536, shutdown_timeout=5)
+    app = build_app(AsyncLLMEngine(engine), MODEL_NAME, api_key=API_KEY, options=options)
     with ServerThread(app) as handle:
         yield handle

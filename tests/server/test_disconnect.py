@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
+import pytest
 
-from tests.server.conftest import MODEL_NAME
+from ssmserve.server.app import build_app
+from ssmserve.server.async_engine import AsyncLLMEngine
+from tests.server.conftest import MODEL_NAME, ServerThread, make_engine
 
 MAX_TOKENS = 400
+STEP_SECONDS = 0.02
 
 
 def _assert_idle(metrics: dict[str, float]) -> None:
@@ -66,7 +71,24 @@ def test_eight_clients_disconnect_mid_stream(server):
     _assert_idle(server.wait_idle())
 
 
-def test_non_streaming_client_that_times_out_is_aborted(server):
+@pytest.fixture(scope="module")
+def slow_server(bamba_checkpoint):
+    """A server whose engine takes at least STEP_SECONDS per step, so a request of MAX_TOKENS
+    tokens runs for MAX_TOKENS * STEP_SECONDS whatever the machine's speed."""
+    engine = make_engine(bamba_checkpoint)
+    real_step = engine.step
+
+    def slow_step():
+        time.sleep(STEP_SECONDS)
+        return real_step()
+
+    engine.step = slow_step
+    with ServerThread(build_app(AsyncLLMEngine(engine), MODEL_NAME)) as handle:
+        yield handle
+
+
+def test_non_streaming_client_that_times_out_is_aborted(slow_server):
+    server = slow_server
     server.wait_idle()
     before = server.metrics()["ssmserve:generation_tokens_total"]
     body = {
@@ -82,6 +104,9 @@ def test_non_streaming_client_that_times_out_is_aborted(server):
             pass
         else:
             raise AssertionError("the request should have outlived the client's timeout")
+    # Run to the end, each request would hold its blocks and slot for MAX_TOKENS * STEP_SECONDS
+    # (8 s); aborted, they are free within the wait.
+    assert MAX_TOKENS * STEP_SECONDS > 3.0
     metrics = server.wait_idle(timeout=3.0)
     _assert_idle(metrics)
     assert metrics["ssmserve:generation_tokens_total"] - before < 2 * MAX_TOKENS / 2

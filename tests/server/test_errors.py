@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from ssmserve.server.api import build_app
+from ssmserve.server.app import build_app
 from ssmserve.server.async_engine import AsyncLLMEngine
 from tests.server.conftest import API_KEY, MAX_MODEL_LEN, MODEL_NAME, ServerThread, make_engine
 

@@ -277,7 +277,8 @@ def test_stream_equals_non_stream_with_usage_last(client, endpoint):
         expected = full.choices[0].text
     texts, finish = _stream_texts(chunks[:-1], chat=endpoint == "chat")
     assert texts == {0: expected} and finish == {0: "length"}
-    assert sum(1 for c in chunks if c.choices) >= 12  # one chunk per token at least
+    # Streamed piece by piece (tokens that add no text yet wait for the next piece).
+    assert sum(1 for c in chunks if c.choices) > 2
     assert all(c.usage is None for c in chunks[:-1])
     last = chunks[-1]
     assert last.choices == [] and last.usage.completion_tokens == 12
