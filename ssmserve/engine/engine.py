@@ -406,11 +406,12 @@ class LLMEngine:
             for (chunk, _), t in zip(step.sampling, step.sampled.token_ids, strict=True)
         }
         step.advanced = self.scheduler.update(step.plan, sampled)
+        arrived = time.time()  # when the tokens are known (the step was launched earlier)
         for request in step.advanced:
             if request.request_id not in self.outputs.owner:
                 continue  # its group failed earlier in this step
             try:
-                self.outputs.record([request], step.sampled, step.row_of, self._stop, step.time)
+                self.outputs.record([request], step.sampled, step.row_of, self._stop, arrived)
             except Exception as exc:  # noqa: BLE001 - fails that request only
                 self._fail(self.outputs.owner[request.request_id][0].request_id, exc)
 

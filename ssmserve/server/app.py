@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -190,3 +191,17 @@ def _openapi_without_422(app: FastAPI) -> Callable[[], dict[str, Any]]:
         return app.openapi_schema
 
     return openapi
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server; as it stops accepting connections it starts the app's shutdown
+    clock (`ssmserve.server.app.begin_shutdown`), so requests still running near
+    --shutdown-timeout end with an error instead of a cut connection."""
+
+    def __init__(self, config: uvicorn.Config, app: Any) -> None:
+        super().__init__(config)
+        self._app = app
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        begin_shutdown(self._app)
+        await super().shutdown(sockets)

@@ -11,8 +11,6 @@ import sys
 import threading
 from typing import Any
 
-import uvicorn
-
 from ssmserve.config import EngineConfig, add_engine_args
 from ssmserve.server.options import ServerOptions
 
@@ -36,22 +34,6 @@ _OPTION_HELP = {
     "shutdown_timeout": "on SIGTERM, the process is gone within this many seconds; requests "
     "still running near the end are cut (streams get an error event and [DONE], others 503)",
 }
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn's server; as it stops accepting connections it starts the app's shutdown
-    clock (`ssmserve.server.app.begin_shutdown`), so requests still running near
-    --shutdown-timeout end with an error instead of a cut connection."""
-
-    def __init__(self, config: uvicorn.Config, app: Any) -> None:
-        super().__init__(config)
-        self._app = app
-
-    async def shutdown(self, sockets: Any = None) -> None:
-        from ssmserve.server.app import begin_shutdown
-
-        begin_shutdown(self._app)
-        await super().shutdown(sockets)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -122,7 +104,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the engine, then serve until SIGINT/SIGTERM; return the exit code."""
-    from ssmserve.server.app import build_app
+    # Imported here: `ssmserve generate` and `bench` need neither FastAPI nor uvicorn.
+    import uvicorn
+
+    from ssmserve.server.app import DrainingServer, build_app
     from ssmserve.server.async_engine import AsyncLLMEngine
 
     if args.model_tag and args.model and args.model_tag != args.model:
