@@ -23,6 +23,7 @@ _OPS: dict[str, tuple[str, str]] = {
     "gated_rms_norm": ("gated_rms_norm", "gated_rms_norm"),
     "write_kv_cache": ("paged_attention", "write_kv_cache"),
     "paged_attention": ("paged_attention", "paged_attention"),
+    "fused_moe": ("moe", "fused_moe"),
 }
 
 BACKENDS = ("auto", "triton", "torch")
@@ -41,6 +42,7 @@ class KernelOps:
     gated_rms_norm: Callable[..., torch.Tensor]
     write_kv_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+    fused_moe: Callable[..., torch.Tensor]
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:

@@ -10,6 +10,8 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Mamba2ForCausalLM": ("mamba2", "Mamba2ForCausalLM"),
     "BambaForCausalLM": ("bamba", "BambaForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "JambaForCausalLM": ("jamba", "JambaForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
 }
 
 
