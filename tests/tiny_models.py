@@ -132,12 +132,14 @@ def _hf_config(family: str, vocab_size: int, eos: int, **overrides):
         )
         cls = tf.LlamaConfig
     elif family == "jamba":
+        # transformers runs experts through torch._grouped_mm, which needs hidden and
+        # intermediate sizes that are multiples of 4 in float32 (16-byte strides).
         cfg = dict(
             hidden_size=40,
             intermediate_size=36,
             num_hidden_layers=4,
-            num_attention_heads=5,
-            num_key_value_heads=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
             num_experts=5,
             num_experts_per_tok=2,
             attn_layer_period=3,
