@@ -113,35 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     serve = add_serve_parser(sub)
     serve.set_defaults(func=run_serve)
 
-    bench = sub.add_parser("bench", help="offline throughput / latency benchmarks")
-    bench.add_argument(
-        "kind",
-        choices=["throughput"],
-        help="throughput: continuous batching vs one request at a time",
-    )
-    bench.add_argument("--model", default=None)
-    bench.add_argument("--num-prompts", type=int, default=32)
-    bench.add_argument("--input-len", type=int, default=64)
-    bench.add_argument("--output-len", type=int, default=64)
-    add_engine_args(bench)
-    bench.set_defaults(func=_run_bench)
+    from ssmserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)
-
-
-def _run_bench(args: argparse.Namespace) -> int:
-    from ssmserve.bench import print_table, run_throughput
-
-    rows = run_throughput(
-        EngineConfig.from_args(args, model=args.model),
-        args.num_prompts,
-        args.input_len,
-        args.output_len,
-    )
-    print_table(rows)
-    return 0
 
 
 if __name__ == "__main__":

@@ -10,12 +10,13 @@ from dataclasses import dataclass, field, fields
 from importlib import resources
 from typing import Any
 
+from ssmserve.kernels import BACKENDS as KERNEL_BACKENDS
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "ssmserve-bamba-tiny"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 STATE_DTYPES = ("float32", "bfloat16", "float16", "auto")
-KERNEL_BACKENDS = ("auto", "triton", "torch")
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -54,6 +55,27 @@ def resolve_model_path(model: str | None) -> str:
     raise FileNotFoundError(
         f"model folder {model!r} does not exist; pass a checkpoint folder or a cached hub id"
     )
+
+
+# Files any of which means a folder carries its own tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def resolve_tokenizer_path(tokenizer: str | None, model_path: str, load_format: str) -> str:
+    """The tokenizer folder: `tokenizer` if given, else the model's. A dummy-weight run of a
+    folder that holds only config.json (benchmarks/configs/*) gets the bundled tokenizer,
+    so real-size benchmarks run without the hub; its text is meaningless there."""
+    if tokenizer is not None:
+        return tokenizer
+    has_own = any(os.path.isfile(os.path.join(model_path, f)) for f in TOKENIZER_FILES)
+    if load_format == "dummy" and not has_own:
+        logger.warning(
+            "%s has no tokenizer files; with load_format=dummy the bundled tokenizer stands "
+            "in (token-id prompts as usual, generated text is not meaningful)",
+            model_path,
+        )
+        return bundled_model_path()
+    return model_path
 
 
 @dataclass
@@ -155,7 +177,8 @@ class EngineConfig:
     )
     kernel_backend: str = _flag(
         "auto",
-        "auto = Triton kernels on CUDA, PyTorch reference ops on CPU",
+        "auto = PyTorch reference ops on CPU; on CUDA hopper (Triton + the Gluon SSD scan) "
+        "on sm_90, else triton (docs/kernels.md)",
         choices=KERNEL_BACKENDS,
     )
     load_format: str = _flag(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,9 +39,10 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order. A progress
+        bar (tqdm, on stderr) counts finished prompts unless `use_tqdm=False`."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -61,7 +63,7 @@ class LLM:
         self,
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
@@ -99,12 +101,16 @@ class LLM:
             engine.abort_request(added)  # one bad prompt must not leave the others queued
             raise
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
+        bar = tqdm(total=len(ids), desc="Processed prompts", unit="prompt", disable=not use_tqdm)
+        start, out_tokens = time.perf_counter(), 0
         try:
             while len(done) < len(ids):
                 for out in engine.step():
                     if out.finished:
                         done[out.request_id] = out
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        rate = out_tokens / max(time.perf_counter() - start, 1e-9)
+                        bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
                         bar.update(1)
         except BaseException:
             engine.abort_request([i for i in ids if i not in done])

@@ -9,7 +9,8 @@ import torch
 import transformers
 
 from ssmserve import LLM, SamplingParams
-from ssmserve.engine.sampler import Sampler, SamplingRow, _apply_penalties
+from ssmserve.engine.sampler import Sampler, SamplingRow
+from tests.sampler_reference import penalised
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +49,44 @@ def test_n_samples_with_seed_are_reproducible_and_distinct(llm):
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1
 
 
+def test_seeded_requests_keep_their_tokens_in_any_batch_order_chunking_or_preemption(checkpoint):
+    path = checkpoint("bamba")
+    prompts = [
+        {"prompt_token_ids": [(7 * i + j) % 250 + 1 for j in range(9 + i)]} for i in range(4)
+    ]
+    seeded = [
+        SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=s, ignore_eos=True)
+        for s in (5, 6, 7, 8)
+    ]
+    llm = LLM(path, device="cpu", dtype="float32")
+    alone = [llm.generate([p], s)[0].outputs[0].token_ids for p, s in zip(prompts, seeded)]
+    # Reversed, beside unseeded neighbours, in chunks of 5 tokens, with too few KV blocks
+    # for all of them to grow (so some are preempted and recomputed).
+    tight = LLM(
+        path,
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=14,
+        block_size=4,
+        max_num_batched_tokens=5,
+    )
+    neighbour = SamplingParams(max_tokens=12, temperature=0.8, ignore_eos=True)
+    outs = tight.generate(prompts[::-1] + prompts[:2], seeded[::-1] + [neighbour] * 2)
+    assert [o.outputs[0].token_ids for o in outs[:4]] == alone[::-1]
+    assert tight.stats()["num_preemptions"] > 0
+    assert len({tuple(t) for t in alone}) == 4
+
+
+def test_sample_zero_of_n_is_the_single_sample_with_that_seed(llm):
+    one = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10, temperature=1.0, seed=21))
+    three = llm.generate([PROMPTS[1]], SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=21))
+    assert three[0].outputs[0].token_ids == one[0].outputs[0].token_ids
+
+
 def _draw(logits: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:
-    sampler = Sampler()
     gen = torch.Generator().manual_seed(0)
-    rows = [SamplingRow(params, gen, [1], [])] * n
-    return torch.tensor(sampler(logits.expand(n, -1).clone(), rows).token_ids)
+    rows = [SamplingRow(params, 0, [1], [])] * n
+    return torch.tensor(Sampler()(logits.expand(n, -1).clone(), rows, gen).token_ids)
 
 
 LOGITS = torch.randn(1, 50, generator=torch.Generator().manual_seed(3)) * 2
@@ -95,8 +129,7 @@ def test_temperature_sampling_matches_the_distribution():
 def test_presence_and_frequency_penalties_follow_openai_formula():
     logits = torch.randn(1, 10)
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
-    out = logits.clone()
-    _apply_penalties(out, [SamplingRow(params, None, [9], [3, 3, 4])])
+    out = penalised(logits, [SamplingRow(params, 0, [9], [3, 3, 4])])
     expected = logits.clone()
     expected[0, 3] -= 2 * 0.25 + 0.5
     expected[0, 4] -= 1 * 0.25 + 0.5

@@ -3,14 +3,20 @@ tokens as through the PyTorch twins, with chunked prefill, decode and a batch.""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from ssmserve import LLM, SamplingParams
+from tests.triton_interpreter import interpreter_mode
+
 pytest.importorskip("triton", reason="triton is not installed")
 
-from ssmserve import LLM, SamplingParams  # noqa: E402
+
+@pytest.fixture(autouse=True, scope="module")
+def triton_interpreter():
+    """The models run on the CPU here, so their Triton kernels run in the interpreter."""
+    with interpreter_mode():
+        yield
+
 
 CASES = {
     # variant: (prompts, max_tokens); Mamba1's scan is slow in the interpreter: keep it short

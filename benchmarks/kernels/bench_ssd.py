@@ -1,105 +1,96 @@
-"""Check and time the chunk-parallel SSD varlen scan on a GPU, next to its floor.
+"""How fast is the varlen SSD scan (Mamba2 prefill), next to its floor?
 
-    PYTHONPATH=$PWD python3 benchmarks/kernels/bench_ssd.py --out ssd.json
+    PYTHONPATH=$PWD python benchmarks/kernels/bench_ssd.py                 # GPU, every section
+    PYTHONPATH=$PWD python benchmarks/kernels/bench_ssd.py --tiny          # CPU smoke run
 
-Sections, each guarded so one failure loses no other data: (a) Triton vs the float32
-PyTorch twin at real sizes (4k tokens, one sequence and 8 varlen sequences, initial
-states); (b) CUDA-graph capture and replay (proves no host sync) against eager;
-(c) median times (triton.testing.do_bench) at 4k / 32k / 128k tokens and 8 x 4k varlen,
-for Bamba-9B and Mamba2-2.7B mixer dims; (c'') the Gluon kernel against the
-Triton-language one under graph replay, 1k to 32k tokens (section "compare"); (d)
-per-kernel split of one 32k call (torch.profiler); (e) a launch-config sweep at 32k
-(of the Triton-language kernel: run it with SSMSERVE_SSD_GLUON=0 on an H100/H200).
-Prints a table and writes JSON.
-Floors are max(bytes / 4.23e12, FLOP / 6.85e14) (the H200 copy and bf16 matmul rates
-measured in docs/kernels_notes.md); "design MB" adds the scratch traffic of the
-chunk-parallel design (contributions, entering states) to the essential bytes.
+Bamba-9B and Mamba2-2.7B mixer dims (128 / 80 heads of 64, d_state 128, one group), bf16,
+256-token chunks. Sections:
+- accuracy: the served op (kernel_backend "auto": the Gluon kernel on sm_90) and the
+  Triton-language kernel against the float32 twin; a sequence resumed mid-chunk against
+  the whole; float32 and fp16 inputs.
+- graph: CUDA-graph capture and replay (fails on any host sync), bit-identical to eager.
+- sizes: the served op at 4k / 8 x 4k / 32k / 128k tokens.
+- compare: the Gluon kernel (`hopper`) against the Triton-language kernel (`triton`), both
+  under graph replay, 1k to 32k tokens and 8 varlen sequences (sm_90 only).
+- profile: GPU time per launch of one 32k call.
+- sweep: launch parameters of the Triton-language kernel at 32k (`config=`; --sweep).
+Floors: the bytes a scan must move (x, B, C, dt read, y written, states in and out) at
+the copy rate, or its FLOP at the bf16 rate, whichever is larger (bench_common).
 """
 
 from __future__ import annotations
 
-import argparse
-import functools
 import json
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
-import triton
 from bench_common import (
-    BF16_FLOP_PER_S,
-    COPY_BYTES_PER_S,
-    RESULTS,
+    DEV,
     bench_ms,
-    elapsed_s,
     environment,
     finish,
+    floor_ms,
     graph_replay_check,
+    kernel_ops,
     log,
+    parse_args,
+    profile_ms,
     record_check,
+    record_time,
     rel_err,
     run_sections,
 )
 
-from ssmserve.kernels import ssd_scan as ssd_mod
+from ssmserve.kernels.ssd_scan import (
+    chunk_tokens,
+    scan_launch_config,
+    ssd_scan_varlen_ref,
+    ssd_scan_varlen_triton,
+)
 
-# (name, heads, head_dim, d_state, n_groups)
-MODELS = [("bamba-9b", 128, 64, 128, 1), ("mamba2-2.7b", 80, 64, 128, 1)]
-CHUNK_SIZE = 256  # both models' mamba chunk_size
-TIME_BUDGET_S = 85.0
+SECTIONS = ("accuracy", "graph", "sizes", "compare", "profile", "sweep")
 SWEEP = [
     {"maxnreg": 168},
-    {"num_warps": 8},
+    {"maxnreg": None},
+    {"num_warps": 4},
     {"block_p": 32},
-    {"block_p": 32, "num_warps": 8},
-    {"num_stages": 1},
-    {"num_stages": 3},
+    {"num_stages": 2},
     {"block_t": 32},
     {"block": 32},
-    {"block": 32, "num_warps": 8},
-    {"chunk": 128},
-    {"chunk": 128, "num_warps": 8},
 ]
-
-ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-ARGS.add_argument("--out", default="bench_ssd.json", help="path of the JSON results file")
-ARGS.add_argument(
-    "--sections",
-    default="accuracy,graph,sizes,profile,sweep",
-    help="comma-separated subset of: accuracy, graph, sizes, compare, profile, sweep",
+OPTS = parse_args(
+    __doc__,
+    SECTIONS,
+    lambda p: p.add_argument(
+        "--sweep", default=None, help="JSON list of launch-parameter overrides to time"
+    ),
 )
-ARGS.add_argument("--budget", type=float, default=85.0, help="seconds before the sweep stops")
-ARGS.add_argument("--sweep", default=None, help="JSON list of launch-config overrides to sweep")
-ARGS.add_argument(
-    "--compare",
-    default=None,
-    help="path of another ssd_scan.py (e.g. the previous commit's) to time beside this one",
-)
-DEV = torch.device("cuda")
+# (name, heads, head_dim, d_state, n_groups)
+MODELS = [("bamba-9b", 128, 64, 128, 1), ("mamba2-2.7b", 80, 64, 128, 1)]
+CHUNK_SIZE = 256
+CHECK_T, LONG_T = 4096, 32768
+SPLIT = 2077  # where the resumed check splits a CHECK_T-token sequence: mid-chunk
+if OPTS.tiny:
+    MODELS = [("tiny", 4, 16, 16, 1), ("tiny-groups", 4, 8, 16, 2)]
+    CHUNK_SIZE, CHECK_T, LONG_T, SPLIT = 16, 40, 64, 23
+OPS = kernel_ops()
 
 
 def make_inputs(
-    lengths: list[int],
-    H: int,
-    P: int,
-    N: int,
-    G: int,
-    init: bool,
-    seed: int = 0,
-    dtype: torch.dtype = torch.bfloat16,
+    lengths: list[int], H: int, P: int, N: int, G: int, init: bool, seed: int = 0, dtype=None
 ) -> dict[str, Any]:
-    """Fresh random inputs with Mamba2-like scales (dt 0.001..0.1, A in [-16, -1])."""
+    """Random inputs with Mamba2-like scales (dt 0.001..0.1, A in [-16, -1])."""
+    dtype = dtype or torch.bfloat16
     gen = torch.Generator(device=DEV).manual_seed(seed)
     T, S = sum(lengths), len(lengths)
 
-    def rand(*shape: int, scale: float = 1.0, dtype: torch.dtype = dtype):
+    def rand(*shape: int, scale: float = 1.0, dtype: torch.dtype = dtype) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen, device=DEV) * scale).to(dtype)
 
     dt_init = torch.exp(
         torch.rand(H, generator=gen, device=DEV) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)
     )
-    cu = torch.tensor([0, *lengths], device=DEV).cumsum(0).to(torch.int32)
     return dict(
         x=rand(T, H, P),
         dt=rand(T, H, scale=0.5),
@@ -108,7 +99,7 @@ def make_inputs(
         C=rand(T, G, N),
         D=torch.ones(H, device=DEV),
         dt_bias=dt_init + torch.log(-torch.expm1(-dt_init)),  # inverse softplus
-        cu_seqlens=cu,
+        cu_seqlens=torch.tensor([0, *lengths], device=DEV).cumsum(0).to(torch.int32),
         # one spare slot, so a sequence never reads a slot another one writes
         ssm_state=rand(S + 1, H, P, N, scale=0.1, dtype=torch.float32),
         state_slots=torch.arange(1, S + 1, dtype=torch.int32, device=DEV),
@@ -116,7 +107,7 @@ def make_inputs(
     )
 
 
-def call(fn: Callable[..., torch.Tensor], inp: dict[str, Any]) -> torch.Tensor:
+def call(fn, inp: dict[str, Any], **kw: Any) -> torch.Tensor:
     return fn(
         inp["x"],
         inp["dt"],
@@ -129,294 +120,175 @@ def call(fn: Callable[..., torch.Tensor], inp: dict[str, Any]) -> torch.Tensor:
         state_slots=inp["state_slots"],
         has_initial_state=inp["has_initial_state"],
         dt_bias=inp["dt_bias"],
-        dt_softplus=True,
         chunk_size=CHUNK_SIZE,
+        **kw,
     )
 
 
-def costs(T: int, S: int, H: int, P: int, N: int, G: int, chunk: int) -> dict[str, float]:
-    """Essential bytes and FLOP (floor), and the bytes this design moves."""
-    essential = 2 * T * H * P * 2 + T * H * 2 + 2 * T * G * N * 2 + 2 * S * H * P * N * 4
-    # FLOP as in bench_kernels.py (64-token chunks), so floors compare across scripts
+def floor(T: int, S: int, H: int, P: int, N: int, G: int) -> float:
+    """x, B, C (bf16) and dt read, y written, states in and out (float32); the FLOP of the
+    chunked form at 64-token blocks."""
+    nbytes = 2 * T * H * P * 2 + T * H * 2 + 2 * T * G * N * 2 + 2 * S * H * P * N * 4
     flops = T * H * (2 * 64 * P + 4 * N * P) + T * G * 2 * 64 * N
-    chunks = triton.cdiv(T, chunk) + S
-    # dt and its cumsum (float32, written once, read twice); C.B^T per chunk and group
-    # (written, read). Chained states stay in L2 (a two-deep ring per head) and x's second
-    # read comes from L2 (the same program read it moments before), so neither counts.
-    design = essential + T * H * 4 * 2 * 3 + chunks * G * chunk * chunk * 2 * 2
-    return {
-        "bytes": essential,
-        "flops": flops,
-        "design_bytes": design,
-        "floor_ms": max(essential / COPY_BYTES_PER_S, flops / BF16_FLOP_PER_S) * 1e3,
-        "design_mem_ms": design / COPY_BYTES_PER_S * 1e3,
-    }
+    return floor_ms(nbytes, flops)
 
 
-def check_accuracy() -> None:
-    """(a) Triton against the twin run on float32 copies of the same inputs."""
+def time_case(label: str, lengths: list[int], dims: tuple, ms: float, **extra: Any) -> None:
+    H, P, N, G = dims
+    record_time(label, ms, floor(sum(lengths), len(lengths), H, P, N, G), **extra)
+
+
+def ragged(T: int) -> list[int]:
+    """Seven sequences summing to T: one empty, one of one token, the rest uneven."""
+    q = T // 4
+    lengths = [q - q // 3, 1, q + q // 2, q // 2, 0, q // 3]
+    return [*lengths, T - sum(lengths)]
+
+
+def accuracy() -> None:
+    """The served op and the Triton-language kernel against the twin on float32 copies."""
     for name, H, P, N, G in MODELS:
         for label, lengths, init, dtype in (
-            ("1 seq", [4096], True, torch.bfloat16),
-            ("8 seqs", [512 - 37, 1, 700, 300, 64, 1100, 900, 530 + 26], True, torch.bfloat16),
-            ("1 seq no init", [4096], False, torch.bfloat16),
-            # float32 and fp16 inputs overwrite contributions with entering states in place
-            ("1 seq float32", [4096], True, torch.float32),
-            ("8 seqs fp16", [512] * 8, True, torch.float16),
+            ("1 seq", [CHECK_T], True, torch.bfloat16),
+            ("7 ragged seqs", ragged(CHECK_T), True, torch.bfloat16),
+            ("1 seq no init", [CHECK_T], False, torch.bfloat16),
+            ("1 seq float32", [CHECK_T], True, torch.float32),
+            ("8 seqs fp16", [CHECK_T // 8] * 8, True, torch.float16),
         ):
             if dtype != torch.bfloat16 and name != MODELS[0][0]:
                 continue
             inp = make_inputs(lengths, H, P, N, G, init, seed=len(lengths), dtype=dtype)
-            ref_inp = {k: (v.float() if k in ("x", "dt", "B", "C") else v) for k, v in inp.items()}
-            ref_inp["ssm_state"] = inp["ssm_state"].clone()
-            y_ref = call(ssd_mod.ssd_scan_varlen_ref, ref_inp)
-            y = call(ssd_mod.ssd_scan_varlen_triton, inp)
-            torch.cuda.synchronize()
-            record_check(
-                f"{name} T=4096 {label}",
-                {"y": rel_err(y, y_ref), "state": rel_err(inp["ssm_state"], ref_inp["ssm_state"])},
-            )
-        # resumed mid-chunk equals whole, both on the kernel
-        inp = make_inputs([4096], H, P, N, G, False, seed=9)
-        y_whole = call(ssd_mod.ssd_scan_varlen_triton, inp)
+            ref = {k: (v.float() if k in ("x", "dt", "B", "C") else v) for k, v in inp.items()}
+            ref["ssm_state"] = inp["ssm_state"].clone()
+            y_ref = call(ssd_scan_varlen_ref, ref)
+            fns = {OPS.backend: OPS.ssd_scan_varlen, "triton": ssd_scan_varlen_triton}
+            for backend, fn in fns.items():
+                run = {**inp, "ssm_state": inp["ssm_state"].clone()}
+                y = call(fn, run)
+                errors = {
+                    "y": rel_err(y, y_ref),
+                    "state": rel_err(run["ssm_state"], ref["ssm_state"]),
+                }
+                record_check(f"{name} T={sum(lengths)} {label} ({backend})", errors)
+        # resumed mid-chunk equals whole, both through the served op
+        inp = make_inputs([CHECK_T], H, P, N, G, False, seed=9)
+        y_whole = call(OPS.ssd_scan_varlen, inp)
         state_whole = inp["ssm_state"][1].clone()
-        T = inp["x"].shape[0]
-        split = T // 2 + 29
         parts = []
-        for lo, hi, init in ((0, split, False), (split, T, True)):
+        for lo, hi, init in ((0, SPLIT, False), (SPLIT, CHECK_T, True)):
             part = {k: (v[lo:hi] if k in ("x", "dt", "B", "C") else v) for k, v in inp.items()}
             part["cu_seqlens"] = torch.tensor([0, hi - lo], dtype=torch.int32, device=DEV)
             part["has_initial_state"] = torch.tensor([init], device=DEV)
-            parts.append(call(ssd_mod.ssd_scan_varlen_triton, part))
-        record_check(
-            f"{name} resumed at {split} == whole",
-            {
-                "y": rel_err(torch.cat(parts), y_whole),
-                "state": rel_err(inp["ssm_state"][1], state_whole),
-            },
-        )
+            start = torch.tensor([lo], device=DEV)
+            parts.append(call(OPS.ssd_scan_varlen, part, start_positions=start))
+        errors = {"y": rel_err(torch.cat(parts), y_whole)}
+        errors["state"] = rel_err(inp["ssm_state"][1], state_whole)
+        record_check(f"{name} resumed at {SPLIT} == whole ({OPS.backend})", errors)
 
 
-def check_cuda_graph() -> None:
-    """(b) Capture one call in a CUDA graph (fails on any host sync) and replay it."""
+def graph() -> None:
+    """Capture and replay one call of the served op; time the replay."""
+    if DEV.type != "cuda":
+        log("graph: no GPU, skipped")
+        return
     name, H, P, N, G = MODELS[0]
-    for lengths in ([4096], [512] * 8):
+    for lengths in ([CHECK_T], [CHECK_T // 8] * 8):
         inp = make_inputs(lengths, H, P, N, G, True, seed=3)
-        graph = graph_replay_check(
-            f"{name} CUDA graph replay == eager, {len(lengths)} seq(s)",
-            lambda inp=inp: call(ssd_mod.ssd_scan_varlen_triton, inp),
-            inp["ssm_state"],
-        )
-        ms = bench_ms(graph.replay)
-        T = sum(lengths)
-        record_time(
-            f"{name} T={T} {len(lengths)} seq(s) graph replay", ms, T, len(lengths), H, P, N, G
-        )
-        del graph
+        fn = lambda inp=inp: call(OPS.ssd_scan_varlen, inp)  # noqa: E731
+        label = f"{name} T={sum(lengths)} {len(lengths)} seq(s) ({OPS.backend}) graph replay"
+        g = graph_replay_check(label + " == eager", fn, inp["ssm_state"])
+        time_case(label, lengths, (H, P, N, G), bench_ms(g.replay), backend=OPS.backend)
+        del g
 
 
-def record_time(
-    label: str, ms: float, T: int, S: int, H: int, P: int, N: int, G: int, **extra: Any
-) -> None:
-    chunk = ssd_mod._launch_config(None, S, H, P, N, CHUNK_SIZE)["chunk"]
-    c = costs(T, S, H, P, N, G, extra.get("config", {}).get("chunk", chunk))
-    row = {"name": label, "ms": ms, "tokens": T, "seqs": S, **c, **extra}
-    RESULTS["timings"].append(row)
-    log(
-        f"time {label:52s} {ms:8.3f} ms  floor {c['floor_ms']:.3f}  "
-        f"design-mem {c['design_mem_ms']:.3f}  ({ms / c['floor_ms']:.1f}x floor)"
-    )
-
-
-def time_sizes() -> None:
-    """(c) The target sizes."""
+def sizes() -> None:
+    """The served op, eager, at the sizes a prefill meets."""
     for name, H, P, N, G in MODELS:
-        layouts = [
-            ("1 seq", [4096]),
-            ("8 x 4k", [4096] * 8),
-            ("1 seq", [32768]),
-            ("1 seq", [131072]),
-        ]
-        for label, lengths in layouts:
+        for label, lengths in (
+            ("1 seq", [CHECK_T]),
+            ("8 seqs", [CHECK_T] * 8),
+            ("1 seq", [LONG_T]),
+            ("1 seq", [4 * LONG_T]),
+        ):
             inp = make_inputs(lengths, H, P, N, G, True)
-            ms = bench_ms(lambda inp=inp: call(ssd_mod.ssd_scan_varlen_triton, inp))
-            T = sum(lengths)
-            config = ssd_mod._launch_config(inp["x"], len(lengths), H, P, N, CHUNK_SIZE)
-            record_time(
-                f"{name} T={T} {label}", ms, T, len(lengths), H, P, N, G, model=name, config=config
+            fn = lambda inp=inp: call(OPS.ssd_scan_varlen, inp)  # noqa: E731
+            time_case(
+                f"{name} T={sum(lengths)} {label} ({OPS.backend})",
+                lengths,
+                (H, P, N, G),
+                bench_ms(fn),
+                model=name,
+                backend=OPS.backend,
             )
             del inp
 
 
-def time_compared(path: str) -> None:
-    """(c') The same 32k / 4k cases through another version of ssd_scan.py, for A/B."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("ssd_compared", path)
-    other = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(other)
-    name, H, P, N, G = MODELS[0]
-    for lengths in ([4096], [32768]):
-        inp = make_inputs(lengths, H, P, N, G, True)
-        ref_inp = {**inp, "ssm_state": inp["ssm_state"].clone()}
-        y_this = call(ssd_mod.ssd_scan_varlen_triton, ref_inp)
-        y_other = call(other.ssd_scan_varlen_triton, inp)
-        record_check(
-            f"{name} T={sum(lengths)} this == {path}",
-            {
-                "y": rel_err(y_this, y_other),
-                "state": rel_err(ref_inp["ssm_state"], inp["ssm_state"]),
-            },
-        )
-        ms = bench_ms(lambda inp=inp: call(other.ssd_scan_varlen_triton, inp))
-        record_time(f"{name} T={sum(lengths)} compared: {path}", ms, sum(lengths), 1, H, P, N, G)
-
-
-def compare_kernels() -> None:
-    """(c'') The Gluon kernel (sm_90 default) against the Triton-language kernel, both under
-    CUDA-graph replay (no host time), from 1k to 32k tokens and 8 varlen sequences."""
-    import os
-
+def compare() -> None:
+    """hopper against triton, both under graph replay (no host time)."""
+    if OPS.backend != "hopper":
+        log(f"compare: the served backend here is {OPS.backend!r}, not 'hopper'; skipped")
+        return
     for name, H, P, N, G in MODELS:
         for lengths in (
-            [1024],
-            [2048],
-            [4096],
-            [8192],
-            [32768],
-            [512 - 37, 1, 700, 300, 64, 1100, 900, 530 + 26],
+            [LONG_T // 32],
+            [LONG_T // 8],
+            [LONG_T],
+            ragged(LONG_T // 8),
         ):
             inp = make_inputs(lengths, H, P, N, G, True, seed=5)
-            T = sum(lengths)
             times = {}
-            for kernel, flag in (("gluon", "1"), ("triton-language", "0")):
-                os.environ["SSMSERVE_SSD_GLUON"] = flag
-                graph = graph_replay_check(
-                    f"{name} T={T} {len(lengths)} seq(s) {kernel} graph replay == eager",
-                    lambda inp=inp: call(ssd_mod.ssd_scan_varlen_triton, inp),
-                    inp["ssm_state"],
+            for backend, fn in (
+                ("hopper", OPS.ssd_scan_varlen),
+                ("triton", ssd_scan_varlen_triton),
+            ):
+                label = f"{name} T={sum(lengths)} {len(lengths)} seq(s) ({backend}) graph replay"
+                g = graph_replay_check(
+                    label + " == eager", lambda inp=inp, fn=fn: call(fn, inp), inp["ssm_state"]
                 )
-                times[kernel] = bench_ms(graph.replay)
-                record_time(
-                    f"{name} T={T} {len(lengths)} seq(s) {kernel}, graph",
-                    times[kernel],
-                    T,
-                    len(lengths),
-                    H,
-                    P,
-                    N,
-                    G,
-                    kernel=kernel,
-                )
-                del graph
-            os.environ.pop("SSMSERVE_SSD_GLUON")
-            log(f"  gluon / triton-language: {times['gluon'] / times['triton-language']:.2f}")
+                times[backend] = bench_ms(g.replay)
+                time_case(label, lengths, (H, P, N, G), times[backend], backend=backend)
+                del g
+            log(f"  hopper / triton: {times['hopper'] / times['triton']:.2f}")
 
 
-def profile_kernels() -> None:
-    """(d) GPU time of each of the five launches in one 32k call (Bamba-9B dims)."""
-    from torch.profiler import ProfilerActivity, profile
-
+def profile() -> None:
     name, H, P, N, G = MODELS[0]
-    inp = make_inputs([32768], H, P, N, G, True)
-    call(ssd_mod.ssd_scan_varlen_triton, inp)
-    torch.cuda.synchronize()
-    reps = 5
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            call(ssd_mod.ssd_scan_varlen_triton, inp)
-        torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            ms = evt.time_range.elapsed_us() / 1e3 / reps
-            totals[evt.name] = totals.get(evt.name, 0.0) + ms
-    for kernel, ms in sorted(totals.items(), key=lambda kv: -kv[1]):
-        RESULTS["kernels"].append({"kernel": kernel, "ms": ms, "case": f"{name} T=32768"})
-        log(f"kernel {kernel[:60]:60s} {ms:8.3f} ms")
+    inp = make_inputs([LONG_T], H, P, N, G, True)
+    profile_ms(lambda: call(OPS.ssd_scan_varlen, inp), f"{name} T={LONG_T} ({OPS.backend})")
 
 
-def sweep_configs() -> None:
-    """(e) Launch configs at 32k tokens, one sequence, Bamba-9B dims."""
+def sweep() -> None:
+    """Launch parameters of the Triton-language kernel, each checked against its defaults."""
     name, H, P, N, G = MODELS[0]
-    inp = make_inputs([32768], H, P, N, G, True)
-    default = ssd_mod._launch_config
-    # The timed calls update inp's state pool in place (initial states on): every check
-    # starts from a copy of the pool as it was before any of them.
-    pool = inp["ssm_state"].clone()
-    y_default = call(ssd_mod.ssd_scan_varlen_triton, {**inp, "ssm_state": pool.clone()})
-    try:
-        for override in SWEEP:
-            if elapsed_s() > TIME_BUDGET_S:
-                log(f"sweep: time budget spent, skipping {override}")
-                continue
-            cfg = {**default(inp["x"], 1, H, P, N, override.get("chunk", CHUNK_SIZE))}
-            cfg.update(override)
-            ssd_mod._launch_config = lambda *a, cfg=cfg, **k: cfg
-            try:
-                y = call(
-                    ssd_mod.ssd_scan_varlen_triton, {**inp, "ssm_state": inp["ssm_state"].clone()}
-                )
-                record_check(
-                    f"sweep {json.dumps(override)} == default", {"y": rel_err(y, y_default)}
-                )
-                ms = bench_ms(lambda: call(ssd_mod.ssd_scan_varlen_triton, inp))
-            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
-                log(f"sweep {cfg}: failed: {str(exc)[:300]}")
-                RESULTS["errors"].append({"section": f"sweep {cfg}", "traceback": str(exc)[:3000]})
-                continue
-            record_time(
-                f"sweep {name} T=32768 " + json.dumps(override),
-                ms,
-                32768,
-                1,
-                H,
-                P,
-                N,
-                G,
-                config=cfg,
-            )
-    finally:
-        ssd_mod._launch_config = default
+    inp = make_inputs([LONG_T], H, P, N, G, True)
+    pool = inp["ssm_state"].clone()  # every run starts from the same states
+    default = scan_launch_config(inp["x"].dtype, chunk_tokens(CHUNK_SIZE))
+    y_default = call(ssd_scan_varlen_triton, {**inp, "ssm_state": pool.clone()})
+    for override in json.loads(OPTS.sweep) if OPTS.sweep else [{}, *SWEEP]:
+        label = f"sweep {name} T={LONG_T} (triton) {json.dumps(override)}"
+        try:
+            y = call(ssd_scan_varlen_triton, {**inp, "ssm_state": pool.clone()}, config=override)
+            record_check(f"{label} == defaults", {"y": rel_err(y, y_default)})
+            fn = lambda o=override: call(ssd_scan_varlen_triton, inp, config=o)  # noqa: E731
+            ms = bench_ms(fn)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory or registers
+            log(f"{label}: failed: {str(exc)[:300]}")
+            continue
+        time_case(label, [LONG_T], (H, P, N, G), ms, config={**default, **override})
 
 
 def main() -> None:
-    opts = ARGS.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_ssd.py needs a CUDA GPU")
-    RESULTS["env"] = environment(
-        default_config=ssd_mod._launch_config(None, 1, 128, 64, 128, CHUNK_SIZE)
+    dtype = torch.bfloat16
+    environment(
+        OPTS,
+        backend=OPS.backend,
+        triton_default_config=scan_launch_config(dtype, chunk_tokens(CHUNK_SIZE)),
     )
-    log(json.dumps(RESULTS["env"]))
-    global TIME_BUDGET_S, SWEEP
-    TIME_BUDGET_S = opts.budget
-    if opts.sweep:
-        SWEEP = json.loads(opts.sweep)
-    named = {
-        "accuracy": check_accuracy,
-        "graph": check_cuda_graph,
-        "sizes": time_sizes,
-        "compare": compare_kernels,
-        "profile": profile_kernels,
-        "sweep": sweep_configs,
-    }
-    sections = [named[name] for name in opts.sections.split(",")]
-    if opts.compare:
-        compared = functools.partial(time_compared, opts.compare)
-        compared.__name__ = "time_compared"
-        sections.append(compared)
-    run_sections(sections)
-    finish(
-        opts.out,
-        ["case", "ms", "floor ms", "x floor", "design-mem ms"],
-        lambda r: [
-            r["name"],
-            f"{r['ms']:.3f}",
-            f"{r['floor_ms']:.3f}",
-            f"{r['ms'] / r['floor_ms']:.1f}",
-            f"{r['design_mem_ms']:.3f}",
-        ],
+    named = dict(
+        accuracy=accuracy, graph=graph, sizes=sizes, compare=compare, profile=profile, sweep=sweep
     )
+    run_sections(OPTS, named)
+    finish(OPTS, "ssd", "SSD varlen scan")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from ssmserve.config import (
     EngineConfig,
     ModelConfig,
     resolve_model_path,
+    resolve_tokenizer_path,
     resolve_torch_dtype,
 )
 from ssmserve.distributed.executor import (
@@ -49,7 +50,6 @@ class _Sample:
 
     index: int
     request: Request
-    generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float = 0.0
@@ -131,7 +131,9 @@ class LLMEngine:
             raise RuntimeError("this GPU has no bfloat16 support; pass --dtype float16")
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            resolve_tokenizer_path(config.tokenizer, path, config.load_format)
+        )
         self.executor = _make_executor(config, self.model_config, self.device, self.dtype)
         try:
             self._setup_caches()
@@ -250,9 +252,6 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         for i in range(params.n):
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(self.device).manual_seed(params.seed + i)
             request = Request(
                 request_id if params.n == 1 else f"{request_id}#{i}",
                 ids,
@@ -264,7 +263,6 @@ class LLMEngine:
             sample = _Sample(
                 index=i,
                 request=request,
-                generator=generator or self._generator,
                 detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
                 logprobs=[] if params.logprobs is not None else None,
             )
@@ -350,13 +348,13 @@ class LLMEngine:
                 sample_rows.append(
                     SamplingRow(
                         group.params,
-                        sample.generator,
+                        sample.index,
                         group.prompt_token_ids,
                         chunk.request.output_token_ids,
                     )
                 )
-            index = torch.tensor([r for _, r in sample_chunks], device=logits.device)
-            sampler_out = self.sampler(logits[index], sample_rows)
+            logits_rows = [r for _, r in sample_chunks]
+            sampler_out = self.sampler(logits, sample_rows, self._generator, logits_rows)
             for i, (chunk, _) in enumerate(sample_chunks):
                 sampled[chunk.request.request_id] = sampler_out.token_ids[i]
         if prompt_spans:
@@ -389,16 +387,12 @@ class LLMEngine:
         if group.metrics.first_token_time is None:
             group.metrics.first_token_time = now
         group.metrics.last_token_time = now
-        lp = float(out.logprobs[i])
+        lp = out.logprobs[i]
         sample.cumulative_logprob += lp
         if sample.logprobs is not None:
-            k = group.params.logprobs or 0
-            top = (
-                (out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist())
-                if k and out.top_ids is not None
-                else ([], [])
+            sample.logprobs.append(
+                self._logprob_entry(token, lp, out.ranks[i], out.top_ids[i], out.top_logprobs[i])
             )
-            sample.logprobs.append(self._logprob_entry(token, lp, int(out.ranks[i]), *top))
         delta = sample.detokenizer.add(token)
         stops = group.params.stop
         if stops and not request.is_finished and delta:

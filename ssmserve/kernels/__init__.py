@@ -2,6 +2,9 @@
 
 Use `get_ops(backend, device)` to pick an implementation set; the model code calls
 ops only through the returned `KernelOps`, so the backend is one choice made once.
+The Triton launchers (`*_triton`) also take launch parameters (`config=`, and
+`decode_config=` / `prefill_config=` for paged attention) that override their tuned
+defaults: benchmarks sweep them and tests pin them; the model code never passes them.
 """
 
 from __future__ import annotations
@@ -9,8 +12,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: BACKENDS must be cheap to import
+    import torch
 
 # op field -> (module, function base name); the torch twin is `<name>_ref`, the
 # Triton launcher `<name>_triton`, both with the same signature.
@@ -25,13 +30,20 @@ _OPS: dict[str, tuple[str, str]] = {
     "paged_attention": ("paged_attention", "paged_attention"),
     "fused_moe": ("moe", "fused_moe"),
 }
+# What "hopper" runs instead of the Triton-language op: field -> (module, function).
+_HOPPER_OPS: dict[str, tuple[str, str]] = {
+    "ssd_scan_varlen": ("ssd_scan_hopper", "ssd_scan_varlen_hopper"),
+}
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "hopper", "torch")
 
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The kernel implementations a model runs with (see each op's docstring)."""
+    """The kernel implementations a model runs with (see each op's docstring).
+
+    `backend` is the resolved choice: "torch", "triton" or "hopper" (never "auto").
+    """
 
     backend: str
     ssd_scan_varlen: Callable[..., torch.Tensor]
@@ -46,34 +58,65 @@ class KernelOps:
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """Map "auto" to "triton" on CUDA and "torch" elsewhere; validate the others."""
+    """Map "auto" to a concrete backend for `device`; validate the others.
+
+    "auto" is "torch" off CUDA, and on CUDA "hopper" where the Gluon SSD kernel can run
+    (an sm_90 GPU, Triton with Gluon) and "triton" elsewhere.
+    """
+    import torch
+
     device = torch.device(device)
     if backend not in BACKENDS:
         raise ValueError(f"kernel_backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return backend
+    if backend != "auto":
+        return backend
+    if device.type != "cuda":
+        return "torch"
+    # Imported here so `import ssmserve.kernels` does not import Triton.
+    from ssmserve.kernels.ssd_scan_hopper import hopper_unavailable_reason
+
+    return "hopper" if hopper_unavailable_reason(device) is None else "triton"
 
 
 def get_ops(backend: str, device: torch.device | str) -> KernelOps:
-    """Return the op set for `backend` ("auto" | "triton" | "torch") on `device`.
+    """Return the op set for `backend` (one of BACKENDS) on `device`.
 
-    "triton" raises if Triton cannot run there (not installed, or CPU without
-    TRITON_INTERPRET=1): there is no silent fallback to the twins.
+    - "torch": the PyTorch twins, on any device.
+    - "triton": the portable Triton-language kernels for every op, on CUDA, or on CPU
+      under TRITON_INTERPRET=1 (slow; for tests).
+    - "hopper": "triton" with the Gluon SSD scan kernel of ssd_scan_hopper.py, for sm_90
+      GPUs (H100/H200). Calls it cannot take (dtypes other than bf16, head dims other
+      than 64, state dims other than 64/128, chunks other than 256, strides TMA cannot
+      address) run the Triton-language SSD kernel: see `hopper_scan_usable`.
+    - "auto": see `resolve_backend`.
+
+    A backend that cannot run on `device` raises, saying why: there is no silent
+    fallback to another backend.
     """
-    # Imported here so `import ssmserve.kernels` does not import Triton.
+    # Imported here so `import ssmserve.kernels` imports neither torch nor Triton.
+    import torch
+
     from ssmserve.kernels._common import triton_unavailable_reason
 
     device = torch.device(device)
     resolved = resolve_backend(backend, device)
-    if resolved == "triton":
-        reason = triton_unavailable_reason(device)
+    if resolved in ("triton", "hopper"):
+        reason = triton_unavailable_reason(device, resolved)
+        if reason is not None:
+            raise RuntimeError(reason)
+    if resolved == "hopper":
+        from ssmserve.kernels.ssd_scan_hopper import hopper_unavailable_reason
+
+        reason = hopper_unavailable_reason(device)
         if reason is not None:
             raise RuntimeError(reason)
     suffix = "_ref" if resolved == "torch" else "_triton"
+    targets = {field: (module, name + suffix) for field, (module, name) in _OPS.items()}
+    if resolved == "hopper":
+        targets.update(_HOPPER_OPS)
     fns = {
-        field: getattr(importlib.import_module(f"ssmserve.kernels.{module}"), name + suffix)
-        for field, (module, name) in _OPS.items()
+        field: getattr(importlib.import_module(f"ssmserve.kernels.{module}"), name)
+        for field, (module, name) in targets.items()
     }
     return KernelOps(backend=resolved, **fns)
 

@@ -12,7 +12,7 @@ import functools
 import importlib.util
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,20 +39,20 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def triton_unavailable_reason(device: torch.device) -> str | None:
-    """Why Triton kernels cannot run on `device`, or None if they can."""
+def triton_unavailable_reason(device: torch.device, backend: str = "triton") -> str | None:
+    """Why Triton kernels cannot run on `device` for kernel backend `backend`, or None."""
     if not HAS_TRITON:
         return (
-            "kernel backend 'triton' needs the triton package; install it "
+            f"kernel backend {backend!r} needs the triton package; install it "
             "(pip install triton) or use kernel_backend='torch'"
         )
     if device.type == "cpu" and not interpret_mode():
         return (
-            "kernel backend 'triton' on CPU needs the Triton interpreter; set "
+            f"kernel backend {backend!r} on CPU needs the Triton interpreter; set "
             "TRITON_INTERPRET=1 (slow, for tests) or use kernel_backend='torch'"
         )
     if device.type not in ("cpu", "cuda"):
-        return f"kernel backend 'triton' does not support device type {device.type!r}"
+        return f"kernel backend {backend!r} does not support device type {device.type!r}"
     return None
 
 
@@ -75,49 +75,18 @@ class LazyKernel:
             raise RuntimeError(triton_unavailable_reason(torch.device("cuda")))
         mode = interpret_mode()
         if mode not in self._compiled:
-            if mode:
-                _patch_interpreter()
             self._compiled[mode] = triton.jit(self.fn)
         return self._compiled[mode][grid]
 
 
-_interpreter_patched = False
+def device_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A Triton device function (called from kernels) as a JITFunction in both modes.
 
-
-def _patch_interpreter() -> None:
-    """Work around two Triton 3.6 interpreter problems (CPU tests only).
-
-    1. The interpreter holds scalars as shape-(1,) arrays and converts them with
-       `int(array)`, which numpy >= 2.4 rejects, so `for i in range(start, end)` with a
-       runtime bound fails (triton-lang/triton#9171). We define `__index__` the way
-       the upstream fix does.
-    2. Triton's own library functions (tl.sum, tl.cumsum, ...) are decorated when
-       triton is imported; if that happened before TRITON_INTERPRET=1 was set (e.g.
-       transformers imports triton), they are compiled-mode functions that refuse to
-       run inside the interpreter. We run them the way interpreted device functions
-       run, so interpreter results do not depend on import order.
+    NOTE: not `triton.jit`, which follows TRITON_INTERPRET at decoration time: compiled
+    kernels need a JITFunction, and the interpreter runs one as well, so one object serves
+    both modes whatever the flag was at import.
     """
-    global _interpreter_patched
-    if _interpreter_patched:
-        return
-    from triton.runtime import interpreter
-    from triton.runtime.jit import JITFunction
-
-    original = interpreter._patch_lang_tensor
-    interpreted: dict[Any, Any] = {}
-
-    def call_as_interpreted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.fn not in interpreted:
-            interpreted[self.fn] = interpreter.InterpretedFunction(self.fn)
-        return interpreted[self.fn](*args, **kwargs)
-
-    def patched(tensor: Any, scope: Any) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(())))
-        scope.set_attr(JITFunction, "__call__", call_as_interpreted)
-
-    interpreter._patch_lang_tensor = patched
-    _interpreter_patched = True
+    return triton.runtime.jit.JITFunction(fn) if HAS_TRITON else fn
 
 
 def lazy_jit(fn: Callable[..., None]) -> LazyKernel:
@@ -168,6 +137,17 @@ def process_dt(
     return dt
 
 
+def check_varlen_shapes(
+    cu_seqlens: torch.Tensor, state_slots: torch.Tensor, has_initial_state: torch.Tensor
+) -> int:
+    """Check the shapes of varlen metadata (not its values: no host sync); return S."""
+    check_shape("state_slots", state_slots, [None])
+    num_seqs = state_slots.shape[0]
+    check_shape("cu_seqlens", cu_seqlens, [num_seqs + 1])
+    check_shape("has_initial_state", has_initial_state, [num_seqs])
+    return num_seqs
+
+
 def check_varlen(
     cu_seqlens: torch.Tensor,
     state_slots: torch.Tensor,
@@ -176,9 +156,7 @@ def check_varlen(
     num_slots: int,
 ) -> list[tuple[int, int, int, bool]]:
     """Validate varlen metadata and return [(start, end, slot, has_init)] per sequence."""
-    num_seqs = state_slots.shape[0]
-    check_shape("cu_seqlens", cu_seqlens, [num_seqs + 1])
-    check_shape("has_initial_state", has_initial_state, [num_seqs])
+    num_seqs = check_varlen_shapes(cu_seqlens, state_slots, has_initial_state)
     cu = cu_seqlens.tolist()
     slots = state_slots.tolist()
     init = has_initial_state.tolist()
@@ -194,3 +172,39 @@ def check_varlen(
     if any(not 0 <= s < num_slots for s in slots):
         raise ValueError(f"state_slots must lie in [0, {num_slots}) for prefill, got {slots}")
     return [(cu[i], cu[i + 1], slots[i], bool(init[i])) for i in range(num_seqs)]
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def launch_config(
+    op: str, default: dict[str, Any], override: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The launch parameters of one call: `default` with the entries of `override`.
+
+    `override` is how benchmarks sweep and tests pin a kernel's launch parameters. Keys
+    must be ones `default` has; block sizes, `n_inner` and `num_warps` must be powers of
+    two, other counts positive integers, flags booleans; `maxnreg` may be None (no cap).
+    """
+    if not override:
+        return dict(default)
+    unknown = sorted(set(override) - set(default))
+    if unknown:
+        raise ValueError(
+            f"{op}: unknown launch parameter(s) {unknown}; the known ones are {sorted(default)}"
+        )
+    for key, value in override.items():
+        if isinstance(default[key], bool):
+            ok, want = isinstance(value, bool), "a bool"
+        elif key == "maxnreg" and value is None:
+            ok, want = True, ""
+        elif key.startswith("block") or key in ("n_inner", "num_warps"):
+            ok = isinstance(value, int) and not isinstance(value, bool) and _is_pow2(value)
+            want = "a power of two"
+        else:
+            ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            want = "a positive integer"
+        if not ok:
+            raise ValueError(f"{op}: launch parameter {key} must be {want}, got {value!r}")
+    return {**default, **override}

@@ -11,7 +11,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ssmserve.kernels._common import check_shape, check_varlen, lazy_jit, next_pow2, tl, triton
+from ssmserve.kernels._common import (
+    check_shape,
+    check_varlen,
+    check_varlen_shapes,
+    lazy_jit,
+    next_pow2,
+    tl,
+    triton,
+)
 
 _ACTIVATIONS = (None, "silu", "swish")
 
@@ -63,7 +71,6 @@ def causal_conv1d_varlen_ref(
     """
     _check_activation(activation)
     T, Cd, K = _check_conv_args(x, weight, bias, conv_state)
-    check_shape("state_slots", state_slots, [None])
     seqs = check_varlen(cu_seqlens, state_slots, has_initial_state, T, conv_state.shape[0])
     w = weight.float()[:, None, :]  # [Cd, 1, K] for a grouped conv
     b = bias.float() if bias is not None else None
@@ -268,10 +275,7 @@ def causal_conv1d_varlen_triton(
     """
     _check_activation(activation)
     T, Cd, K = _check_conv_args(x, weight, bias, conv_state)
-    check_shape("state_slots", state_slots, [None])
-    S = state_slots.shape[0]
-    check_shape("cu_seqlens", cu_seqlens, [S + 1])
-    check_shape("has_initial_state", has_initial_state, [S])
+    S = check_varlen_shapes(cu_seqlens, state_slots, has_initial_state)
     y = torch.empty_like(x)
     if S == 0:
         return y

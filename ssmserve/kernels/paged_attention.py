@@ -16,19 +16,19 @@ without reading any device tensor, so the choice is CUDA-graph safe.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ssmserve.kernels._common import (
-    HAS_TRITON,
     check_shape,
     interpret_mode,
+    launch_config,
     lazy_jit,
     next_pow2,
     num_sms,
     tl,
-    triton,
 )
 
 
@@ -270,98 +270,6 @@ def write_kv_cache_triton(
 # log2-sum-exp; `_merge_splits_kernel` combines them.
 
 
-def _attend_tile(
-    q,
-    m_i,
-    l_i,
-    acc,
-    n0,
-    kv_hi,
-    q_pos,
-    seq,
-    kv_head,
-    qk_scale,
-    block_size,
-    window,
-    block_tables_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    offs_d,
-    mask_d,
-    stride_kc_b,
-    stride_kc_o,
-    stride_kc_h,
-    stride_kc_d,
-    stride_vc_b,
-    stride_vc_o,
-    stride_vc_h,
-    stride_vc_d,
-    stride_bt_s,
-    stride_bt_b,
-    MASKED: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One BLOCK_N-key tile of the online softmax; MASKED: causal / window / end masks."""
-    k_pos = n0 + tl.arange(0, BLOCK_N)
-    if MASKED:
-        mask_n = k_pos < kv_hi
-        mask_nd = mask_n[:, None] & mask_d[None, :]
-        block = tl.load(
-            block_tables_ptr + seq * stride_bt_s + (k_pos // block_size) * stride_bt_b,
-            mask=mask_n,
-            other=0,
-        ).to(tl.int64)
-    else:
-        mask_nd = mask_d[None, :]
-        block = tl.load(
-            block_tables_ptr + seq * stride_bt_s + (k_pos // block_size) * stride_bt_b
-        ).to(tl.int64)
-    offset = k_pos % block_size
-    k = tl.load(
-        k_cache_ptr
-        + block[:, None] * stride_kc_b
-        + offset[:, None] * stride_kc_o
-        + kv_head * stride_kc_h
-        + offs_d[None, :] * stride_kc_d,
-        mask=mask_nd,
-        other=0.0,
-    )
-    v = tl.load(
-        v_cache_ptr
-        + block[:, None] * stride_vc_b
-        + offset[:, None] * stride_vc_o
-        + kv_head * stride_vc_h
-        + offs_d[None, :] * stride_vc_d,
-        mask=mask_nd,
-        other=0.0,
-    )
-    scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
-    if MASKED:
-        # Rows past the valid ones are never stored, so they need no mask here.
-        allowed = (k_pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
-        if HAS_WINDOW:
-            allowed &= k_pos[None, :] > q_pos[:, None] - window
-        scores = tl.where(allowed, scores, -float("inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    # Rows with nothing allowed yet keep m = -inf; subtract 0 there to avoid NaN.
-    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-    p = tl.exp2(scores - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(
-        p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
-    )
-    return m_new, l_i, acc
-
-
-if HAS_TRITON:
-    # NOTE: a JITFunction whatever TRITON_INTERPRET says (as in selective_scan.py).
-    _attend_tile = triton.runtime.jit.JITFunction(_attend_tile)
-
-
 @lazy_jit
 def _paged_attention_kernel(
     q_ptr,
@@ -477,40 +385,55 @@ def _paged_attention_kernel(
         else:
             tiles_lo, tiles_hi = kv_lo, full_hi
         for n0 in range(tiles_lo, tiles_hi, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
-                q,
-                m_i,
-                l_i,
-                acc,
-                n0,
-                kv_hi,
-                q_pos,
-                seq,
-                kv_head,
-                qk_scale,
-                block_size,
-                window,
-                block_tables_ptr,
-                k_cache_ptr,
-                v_cache_ptr,
-                offs_d,
-                mask_d,
-                stride_kc_b,
-                stride_kc_o,
-                stride_kc_h,
-                stride_kc_d,
-                stride_vc_b,
-                stride_vc_o,
-                stride_vc_h,
-                stride_vc_d,
-                stride_bt_s,
-                stride_bt_b,
-                MASKED == 1,
-                HAS_WINDOW,
-                BLOCK_N,
-                DOT_DTYPE,
-                DOT_PRECISION,
+            # One BLOCK_N-key tile of the online softmax; MASKED: causal / window / end.
+            k_pos = n0 + tl.arange(0, BLOCK_N)
+            bt_row = block_tables_ptr + seq * stride_bt_s
+            if MASKED:
+                mask_n = k_pos < kv_hi
+                mask_nd = mask_n[:, None] & mask_d[None, :]
+                block = tl.load(
+                    bt_row + (k_pos // block_size) * stride_bt_b, mask=mask_n, other=0
+                ).to(tl.int64)
+            else:
+                mask_nd = mask_d[None, :]
+                block = tl.load(bt_row + (k_pos // block_size) * stride_bt_b).to(tl.int64)
+            offset = k_pos % block_size
+            k = tl.load(
+                k_cache_ptr
+                + block[:, None] * stride_kc_b
+                + offset[:, None] * stride_kc_o
+                + kv_head * stride_kc_h
+                + offs_d[None, :] * stride_kc_d,
+                mask=mask_nd,
+                other=0.0,
             )
+            v = tl.load(
+                v_cache_ptr
+                + block[:, None] * stride_vc_b
+                + offset[:, None] * stride_vc_o
+                + kv_head * stride_vc_h
+                + offs_d[None, :] * stride_vc_d,
+                mask=mask_nd,
+                other=0.0,
+            )
+            scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+            scores *= qk_scale
+            if MASKED:
+                # Rows past the valid ones are never stored, so they need no mask here.
+                allowed = (k_pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
+                if HAS_WINDOW:
+                    allowed &= k_pos[None, :] > q_pos[:, None] - window
+                scores = tl.where(allowed, scores, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            # Rows with nothing allowed yet keep m = -inf; subtract 0 there to avoid NaN.
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+            p = tl.exp2(scores - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(
+                p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
+            )
+            m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     mask_out = mask_m[:, None] & mask_d[None, :]
     if NUM_SPLITS == 1:
@@ -569,18 +492,27 @@ def _merge_splits_kernel(
     )
 
 
-def _decode_config(
-    num_seqs: int, KVH: int, heads_per_kv: int, Dh: int, max_context: int, device: torch.device
+def decode_launch_config(
+    num_seqs: int,
+    KVH: int,
+    heads_per_kv: int,
+    Dh: int,
+    max_context: int,
+    device: torch.device,
+    config: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Launch options of the decode path (benchmarks/kernels/bench_paged_attention.py
-    sweeps these).
+    """Launch parameters of the decode path, `config` overriding the defaults
+    (benchmarks/kernels/bench_paged_attention.py sweeps them).
 
-    block_m: rows of the dots, the group's query heads padded to 16.
+    block_m: rows of the dots, the group's query heads padded to 16 (>= the group).
     block_n: keys per tile; 32 where 64 would spill registers (wide groups, Dh > 128).
     num_splits: programs per (sequence, KV head). Enough that all of them fill the GPU
         about four times over, but no split shorter than two tiles of the longest
         context the block tables can hold. Only host numbers decide it, so one CUDA graph
         serves every context length up to that.
+    num_warps, num_stages: Triton launch options. At batch 64, 4k context on the H200,
+        4 warps and 2 stages took 0.288 ms against 0.319 ms with 1 stage and 0.391 ms
+        with 8 warps (benchmarks/results/paged_attention_2026-11-30_h200.json, sweep rows).
     """
     block_m = max(16, next_pow2(heads_per_kv))
     block_n = 64 if block_m * max(16, next_pow2(Dh)) <= 16 * 128 else 32
@@ -588,43 +520,49 @@ def _decode_config(
     sms = num_sms(device) if device.type == "cuda" else 2
     num_splits = max(1, 4 * sms // max(1, num_seqs * KVH))
     num_splits = min(num_splits, 64, max(1, -(-max_context // (2 * block_n))))
-    # 2 stages: 0.288 ms against 0.434 with 3 at batch 64, 4k context on the H200
-    # (benchmarks/results/paged_attention_2026-11-30_h200.log).
-    return {
+    default = {
         "block_m": block_m,
         "block_n": block_n,
         "num_splits": num_splits,
         "num_warps": 4,
         "num_stages": 2,
     }
+    return _checked_rows("decode", launch_config("paged_attention", default, config), heads_per_kv)
 
 
-def _prefill_config(heads_per_kv: int, Dh: int) -> dict[str, Any]:
-    """Launch options of the prefill path: about 128 rows of (query, head) per program.
+def _checked_rows(path: str, cfg: dict[str, Any], heads_per_kv: int) -> dict[str, Any]:
+    """`cfg` if its tiles can hold a KV head's query group (tl.dot needs dims >= 16)."""
+    if cfg["block_m"] < max(16, heads_per_kv) or cfg["block_n"] < 16:
+        raise ValueError(
+            f"paged_attention {path}: block_m must be at least 16 and the query heads per KV "
+            f"head ({heads_per_kv}), block_n at least 16, got {cfg}"
+        )
+    return cfg
 
-    Head dims up to 128 (H200, 32/8 heads of 128, bf16): 128 rows, 64-key tiles, 8 warps,
-    3 stages took a 2k chunk over 30k cached tokens from 5.88 to 4.68 ms and an 8k chunk
-    over 24k from 18.5 to 16.6 ms against 64 rows, 32-key tiles, 4 warps, 2 stages
+
+def prefill_launch_config(
+    heads_per_kv: int, Dh: int, config: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Launch parameters of the prefill path, `config` overriding the defaults: about 128
+    rows of (query, head) per program.
+
+    block_m: rows of the dots (block_q = block_m // heads_per_kv queries per program).
+    block_n: keys per tile. num_warps, num_stages: Triton launch options.
+
+    Head dims up to 128 (H200, 32/8 heads of 128, bf16): 128 rows, 64-key tiles, 8 warps
+    and 3 stages take a 2k chunk over 30k cached tokens in 4.68 ms and an 8k chunk over
+    24k in 16.6 ms, against 5.88 and 18.5 ms with 64 rows, 32-key tiles, 4 warps, 2 stages
     (benchmarks/results/paged_attention_2026-11-30b_h200.json); larger head dims keep the
     smaller tiles.
     """
     if Dh <= 128:
         block_m = max(128, next_pow2(heads_per_kv))
-        return {
-            "block_m": block_m,
-            "block_q": block_m // heads_per_kv,
-            "block_n": 64,
-            "num_warps": 8,
-            "num_stages": 3,
-        }
-    block_m = max(64, next_pow2(heads_per_kv))
-    return {
-        "block_m": block_m,
-        "block_q": block_m // heads_per_kv,
-        "block_n": 32,
-        "num_warps": 8,
-        "num_stages": 2,
-    }
+        default = {"block_m": block_m, "block_n": 64, "num_warps": 8, "num_stages": 3}
+    else:
+        block_m = max(64, next_pow2(heads_per_kv))
+        default = {"block_m": block_m, "block_n": 32, "num_warps": 8, "num_stages": 2}
+    cfg = _checked_rows("prefill", launch_config("paged_attention", default, config), heads_per_kv)
+    return {**cfg, "block_q": cfg["block_m"] // heads_per_kv}
 
 
 def paged_attention_triton(
@@ -638,6 +576,8 @@ def paged_attention_triton(
     scale: float,
     sliding_window: int | None = None,
     num_decodes: int = 0,
+    decode_config: Mapping[str, Any] | None = None,
+    prefill_config: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Triton twin of `paged_attention_ref` (same arguments, shapes and result).
 
@@ -645,6 +585,8 @@ def paged_attention_triton(
     KV head, context split), the group's query heads as the rows of its dots, so each KV
     block is read once per KV head. The rest take the prefill path: one program per
     (block of queries, KV head), flash-style online softmax. No host sync.
+    `decode_config` and `prefill_config` override the paths' launch parameters (see
+    `decode_launch_config` and `prefill_launch_config`; benchmarks and tests only).
     """
     T, H, KVH, Dh, S = _check_attention_args(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, num_decodes
@@ -681,7 +623,9 @@ def paged_attention_triton(
     )
     if num_decodes > 0:
         max_context = block_tables.shape[1] * block_size
-        cfg = _decode_config(num_decodes, KVH, heads_per_kv, Dh, max_context, q.device)
+        cfg = decode_launch_config(
+            num_decodes, KVH, heads_per_kv, Dh, max_context, q.device, decode_config
+        )
         splits = cfg["num_splits"]
         part_out = part_lse = out  # not touched with one split
         if splits > 1:
@@ -721,7 +665,7 @@ def paged_attention_triton(
             )
     num_prefills = S - num_decodes
     if num_prefills > 0:
-        cfg = _prefill_config(heads_per_kv, Dh)
+        cfg = prefill_launch_config(heads_per_kv, Dh, prefill_config)
         # decodes hold exactly one query each, so the prefills hold T - num_decodes
         grid = ((T - num_decodes) // cfg["block_q"] + num_prefills, KVH, 1)
         _paged_attention_kernel[grid](

@@ -12,16 +12,19 @@ the slot.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ssmserve.kernels._common import (
-    HAS_TRITON,
     check_shape,
     check_varlen,
+    check_varlen_shapes,
+    device_function,
     interpret_mode,
+    launch_config,
     lazy_jit,
     next_pow2,
     num_sms,
@@ -41,7 +44,6 @@ def _check_selective_scan_args(
     C: torch.Tensor,
     D: torch.Tensor | None,
     ssm_state: torch.Tensor,
-    state_slots: torch.Tensor,
     z: torch.Tensor | None,
     delta_bias: torch.Tensor | None,
 ) -> tuple[int, int, int]:
@@ -59,7 +61,6 @@ def _check_selective_scan_args(
     if delta_bias is not None:
         check_shape("delta_bias", delta_bias, [Dm])
     check_shape("ssm_state", ssm_state, [None, Dm, N])
-    check_shape("state_slots", state_slots, [None])
     return T, Dm, N
 
 
@@ -94,9 +95,7 @@ def selective_scan_varlen_ref(
     Returns:
         y: [T, Dm] in u.dtype.
     """
-    T, Dm, N = _check_selective_scan_args(
-        u, delta, A, B, C, D, ssm_state, state_slots, z, delta_bias
-    )
+    T, Dm, N = _check_selective_scan_args(u, delta, A, B, C, D, ssm_state, z, delta_bias)
     seqs = check_varlen(cu_seqlens, state_slots, has_initial_state, T, ssm_state.shape[0])
     delta_f = delta.float()
     if delta_bias is not None:
@@ -144,16 +143,10 @@ def selective_scan_varlen_ref(
 # Each block's inputs are loaded while the previous block is computed.
 
 
+@device_function
 def _first_order_combine(decay_1, value_1, decay_2, value_2):
     # The map h -> decay_1 * h + value_1 followed by h -> decay_2 * h + value_2.
     return decay_1 * decay_2, decay_2 * value_1 + value_2
-
-
-if HAS_TRITON:
-    # NOTE: a JITFunction whatever TRITON_INTERPRET says (not triton.jit, which follows
-    # the flag at import time): compiled kernels need one, and the interpreter calls its
-    # raw `.fn`, so one object serves both modes.
-    _first_order_combine = triton.runtime.jit.JITFunction(_first_order_combine)
 
 
 @lazy_jit
@@ -310,32 +303,51 @@ def _selective_scan_kernel(
     tl.store(state_ptrs, h.to(state_ptr.dtype.element_ty), mask=mask_dn)
 
 
-def _launch_config(S: int, Dm: int, N: int, T: int, device: torch.device) -> dict[str, Any]:
-    """Block sizes and launch options (benchmarks/kernels/bench_selective_scan.py sweeps these).
+def scan_launch_config(
+    S: int,
+    Dm: int,
+    N: int,
+    T: int,
+    device: torch.device,
+    config: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Launch parameters for S sequences, T tokens, Dm channels and N state entries,
+    `config` overriding the defaults (benchmarks/kernels/bench_selective_scan.py sweeps
+    them).
 
     block_t: tokens per scan block (registers grow with it).
     n_inner: state entries spread over lanes; the other N / n_inner stay in registers.
     block_d: channels per program; a warp spans 32 // n_inner of them, so the default
         gives every thread one channel.
+    num_warps: warps per program.
     float_bc: convert B and C to float32 before the kernel. Every thread converts every
-        B and C entry it uses, and [T, N] is tiny next to [T, Dm]: the copies take about
-        15% of the loop's instructions out (ptxas, sm_90).
-    Few sequences mean few programs: then 2-warp programs spread more evenly over SMs.
+        B and C entry it uses, and [T, N] is tiny next to [T, Dm]: the conversions are
+        about 15% of the loop's instructions (ptxas, sm_90).
+
+    Few sequences mean few programs; then 2-warp programs with 16-token blocks spread
+    more evenly over the SMs. On the H200 at Mamba-2.8B dims and 8k tokens, one sequence
+    takes 0.88 ms with 16-token 2-warp programs against 1.07 ms with 8-token 4-warp ones,
+    eight sequences 0.51 ms with 8-token 4-warp programs against 0.54 and 0.56 ms with
+    16-token blocks (benchmarks/results/selective_scan_2026-11-30_h200.json, sweep rows).
     """
     block_n = next_pow2(N)
     n_inner = min(4, block_n)
     few_programs = device.type == "cuda" and S * triton.cdiv(Dm, 32) < 4 * num_sms(device)
     num_warps = 2 if few_programs else 4
-    # Measured on the H200 (benchmarks/results/selective_scan_2026-11-30_h200_sweep.log, Mamba-2.8B
-    # dims, 8k tokens): one sequence 0.886 ms with 16-token blocks against 1.076 with 8;
-    # eight sequences 0.508 with 8 against 0.540 with 16.
-    return {
+    default = {
         "block_t": min(16 if few_programs else 8, next_pow2(T)),
         "block_d": min(32 // n_inner * num_warps, next_pow2(Dm)),
         "n_inner": n_inner,
         "num_warps": num_warps,
         "float_bc": True,
     }
+    cfg = launch_config("selective_scan_varlen", default, config)
+    if cfg["n_inner"] > block_n:
+        raise ValueError(
+            f"selective_scan_varlen: n_inner must be at most the padded state dim "
+            f"({block_n}), got {cfg['n_inner']}"
+        )
+    return cfg
 
 
 def selective_scan_varlen_triton(
@@ -353,22 +365,20 @@ def selective_scan_varlen_triton(
     z: torch.Tensor | None = None,
     delta_bias: torch.Tensor | None = None,
     delta_softplus: bool = True,
+    config: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Triton twin of `selective_scan_varlen_ref` (same arguments, shapes and result).
 
     No host sync; cu_seqlens and slot values are not validated (slots must be valid
-    and distinct).
+    and distinct). `config` overrides launch parameters (see `scan_launch_config`;
+    benchmarks and tests only).
     """
-    T, Dm, N = _check_selective_scan_args(
-        u, delta, A, B, C, D, ssm_state, state_slots, z, delta_bias
-    )
-    S = state_slots.shape[0]
-    check_shape("cu_seqlens", cu_seqlens, [S + 1])
-    check_shape("has_initial_state", has_initial_state, [S])
+    T, Dm, N = _check_selective_scan_args(u, delta, A, B, C, D, ssm_state, z, delta_bias)
+    S = check_varlen_shapes(cu_seqlens, state_slots, has_initial_state)
     y = torch.empty_like(u)
     if S == 0:
         return y
-    cfg = _launch_config(S, Dm, N, T, u.device)
+    cfg = scan_launch_config(S, Dm, N, T, u.device, config)
     if cfg["float_bc"]:
         B, C = B.float(), C.float()
     grid = (triton.cdiv(Dm, cfg["block_d"]), S)

@@ -21,16 +21,18 @@ parallel (see the comment above the kernels).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ssmserve.kernels import ssd_scan_hopper
 from ssmserve.kernels._common import (
     check_shape,
     check_varlen,
+    check_varlen_shapes,
     interpret_mode,
+    launch_config,
     lazy_jit,
     next_pow2,
     prev_pow2,
@@ -54,7 +56,7 @@ def _check_ssd_args(
     dt_bias: torch.Tensor | None,
     z: torch.Tensor | None,
     chunk_size: int,
-    start_positions: torch.Tensor | None = None,
+    start_positions: torch.Tensor | None,
 ) -> tuple[int, int, int, int, int]:
     check_shape("x", x, [None, None, None])
     T, H, P = x.shape
@@ -72,9 +74,9 @@ def _check_ssd_args(
     if z is not None:
         check_shape("z", z, [T, H, P])
     check_shape("ssm_state", ssm_state, [None, H, P, N])
-    check_shape("state_slots", state_slots, [None])
+    S = check_varlen_shapes(cu_seqlens, state_slots, has_initial_state)
     if start_positions is not None:
-        check_shape("start_positions", start_positions, [state_slots.shape[0]])
+        check_shape("start_positions", start_positions, [S])
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     return T, H, P, G, N
@@ -466,7 +468,7 @@ def _ssd_chunk_scan_kernel(
         slot_head += head * stride_s_h
         # NOTE: pointer tensors are formed inside each branch, next to their one use: a
         # state-sized tensor of 64-bit pointers live across the branches costs registers
-        # by the hundred and made the kernel spill.
+        # by the hundred and makes the kernel spill.
         if chunk == first:
             has_init = tl.load(has_init_ptr + seq) != 0
             state_in = tl.load(
@@ -509,7 +511,7 @@ def _ssd_chunk_scan_kernel(
         #    tokens up to it; nothing is carried from row block to row block but the
         #    entering state as a 16-bit dot operand. Runtime loops (not unrolled) and no
         #    float32 state live here keep the registers low enough for 16 warps per SM,
-        #    which is what this latency-bound kernel needs most (docs/kernels_notes.md).
+        #    which is what this latency-bound kernel needs most (docs/kernels.md).
         #    With ref = cum at m0 - 1, the tokens of an earlier row block j enter as
         #    exp(cum_i - ref) * [C.B^T tile (m, j)] x [exp(ref - cum_j) dt_j x_j]: every
         #    exponent is <= 0 (cum is non-increasing), and only the diagonal tile needs the
@@ -590,36 +592,46 @@ def _ssd_chunk_scan_kernel(
             )
 
 
-def _launch_config(
-    x: torch.Tensor | None, S: int, H: int, P: int, N: int, chunk_size: int
-) -> dict[str, Any]:
-    """Block sizes and launch options (benchmarks/kernels/bench_ssd.py sweeps these).
+def chunk_tokens(chunk_size: int) -> int:
+    """Tokens per chunk of the Triton kernels: chunk_size rounded down to a power of two in
+    [16, 256]. Larger chunks mean fewer chained steps and less state work per token, at the
+    price of more intra-chunk dot work."""
+    return max(16, min(256, prev_pow2(chunk_size)))
 
-    chunk: tokens per chunk (chunk_size rounded down to a power of two, 16..256). Larger
-        chunks mean fewer chained steps and less state work per token, at the price of
-        more intra-chunk dot work.
-    block: rows (and columns) of the output tiles and of the C.B^T tiles.
-    block_t: tokens per dot of the end-state contribution.
-    block_p: head-dim columns per program (a power of two >= 16; the head dim is split
-        into cdiv(P, block_p) independent chains).
+
+def scan_launch_config(
+    dtype: torch.dtype, chunk: int, config: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Launch parameters of the Triton-language scan kernels, `config` overriding the
+    defaults (benchmarks/kernels/bench_ssd.py sweeps them).
+
+    block: rows (and columns) of the output tiles and of the C.B^T tiles, <= chunk.
+    block_t: tokens per dot of the end-state contribution, <= chunk.
+    block_p: head-dim columns per program (>= 16; the head dim is split into
+        cdiv(P, block_p) independent chains).
     num_warps, num_stages, maxnreg: Triton launch options (maxnreg caps registers per
-        thread, so that more programs fit on an SM).
+        thread so that more programs fit on an SM; None: no cap).
+
+    The defaults are the fastest measured on the H200 at Bamba-9B dims
+    (benchmarks/results/ssd_2026-11-30b_h200.md): for 16-bit inputs, 8 warps held to 128
+    registers (two programs, 16 warps per SM); float32 inputs keep 4 warps and no cap:
+    their IEEE dots would spill at 128.
     """
-    chunk = max(16, min(256, prev_pow2(chunk_size)))
-    cfg = {
-        "chunk": chunk,
+    sixteen_bit = dtype != torch.float32
+    default = {
         "block": min(64, chunk),
         "block_t": min(64, chunk),
         "block_p": 64,
-        "num_warps": 4,
+        "num_warps": 8 if sixteen_bit else 4,
         "num_stages": 1,
+        "maxnreg": 128 if sixteen_bit else None,
     }
-    if x is None or x.dtype != torch.float32:
-        # 16-bit inputs (H200, 32k tokens, Bamba-9B dims, before the exp2 change): 8 warps
-        # held to 128 registers (two programs, 16 warps per SM) 1.64 ms; 4 warps unbounded
-        # (254 registers, 8 warps per SM) 1.81; 8 warps at 96 / 112 registers 1.72 / 1.67.
-        # float32 inputs keep 4 warps: their IEEE dots would spill at 128.
-        cfg.update(num_warps=8, maxnreg=128)
+    cfg = launch_config("ssd_scan_varlen", default, config)
+    if cfg["block"] > chunk or cfg["block_t"] > chunk or cfg["block_p"] < 16:
+        raise ValueError(
+            f"ssd_scan_varlen: block and block_t must be at most the chunk ({chunk}) and "
+            f"block_p at least 16, got {cfg}"
+        )
     return cfg
 
 
@@ -706,38 +718,30 @@ def _chunk_layout(
     )
 
 
-def ssd_scan_varlen_triton(
+def _prepare(
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor | None,
-    *,
     cu_seqlens: torch.Tensor,
     ssm_state: torch.Tensor,
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
-    dt_bias: torch.Tensor | None = None,
-    dt_softplus: bool = True,
-    dt_limit: tuple[float, float] = (0.0, math.inf),
-    z: torch.Tensor | None = None,
-    chunk_size: int = 256,
-    start_positions: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Triton twin of `ssd_scan_varlen_ref` (same arguments, shapes and result).
+    dt_bias: torch.Tensor | None,
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+    z: torch.Tensor | None,
+    chunk_size: int,
+    start_positions: torch.Tensor | None,
+) -> tuple[torch.Tensor, int, dict[str, torch.Tensor] | None]:
+    """Check the arguments and run launch 1 (`_chunk_layout`), as both kernel paths start.
 
-    Chunked (see the comment above the kernels): chunks of chunk_size tokens rounded down
-    to a power of two in [16, 256], aligned to multiples of that in absolute positions
-    (`start_positions`, as in the twin); blocking only affects rounding. Scratch: dt and
-    its cumsum (8 bytes per token and head), C.B^T per chunk and group, and a float32 ring
-    of two states per head (8 MiB at Bamba-9B dims). No host sync (CUDA-graph safe): chunk
-    metadata is computed on the device. cu_seqlens, state_slots and has_initial_state
-    values are not validated: slots must be valid and distinct. On an H100/H200 with bf16
-    inputs, head dim 64 and 256-token chunks, the Gluon kernel of ssd_scan_hopper.py runs
-    instead of the C.B^T and fused launches (SSMSERVE_SSD_GLUON=0 turns it off).
+    Returns y (empty, x's shape and dtype), the chunk, and the layout (None when there are
+    no sequences: nothing to launch).
     """
-    T, H, P, G, N = _check_ssd_args(
+    _check_ssd_args(
         x,
         dt,
         A,
@@ -753,42 +757,51 @@ def ssd_scan_varlen_triton(
         chunk_size,
         start_positions,
     )
-    S = state_slots.shape[0]
-    check_shape("cu_seqlens", cu_seqlens, [S + 1])
-    check_shape("has_initial_state", has_initial_state, [S])
     y = torch.empty_like(x)
-    if S == 0:
-        return y
-    cfg = _launch_config(x, S, H, P, N, chunk_size)
-    dots = _dot_config(x.dtype)
-    chunk, block, block_t = cfg["chunk"], cfg["block"], cfg["block_t"]
-    block_p = max(16, min(cfg["block_p"], next_pow2(P)))
-    p_blocks = triton.cdiv(P, block_p)
-    block_n = max(16, next_pow2(N))
+    chunk = chunk_tokens(chunk_size)
+    if state_slots.shape[0] == 0:
+        return y, chunk, None
     layout = _chunk_layout(
         dt, A, dt_bias, cu_seqlens, start_positions, chunk, dt_softplus, dt_limit
     )
+    return y, chunk, layout
+
+
+def _scan_chunks(
+    x: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    z: torch.Tensor | None,
+    D: torch.Tensor | None,
+    y: torch.Tensor,
+    layout: dict[str, torch.Tensor],
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    chunk: int,
+    cfg: dict[str, Any],
+) -> None:
+    """Launches 2 and 3 of the Triton-language scan, after `_chunk_layout` (launch 1)."""
+    H, P = x.shape[1:]
+    G, N = B.shape[1:]
+    dots = _dot_config(x.dtype)
+    block, block_t = cfg["block"], cfg["block_t"]
+    block_p = max(16, min(cfg["block_p"], next_pow2(P)))
+    p_blocks = triton.cdiv(P, block_p)
+    block_n = max(16, next_pow2(N))
     num_chunk_ids = layout["chunk_len"].shape[0]
-    chunk_start, chunk_len = layout["chunk_start"], layout["chunk_len"]
-    chunk_seq, seq_first_chunk = layout["chunk_seq"], layout["seq_first_chunk"]
-    dt_buf, cum_buf = layout["dt"], layout["cum"]
-    if ssd_scan_hopper.hopper_scan_usable(x, B, C, z, y, ssm_state, chunk):
-        ssd_scan_hopper.launch_hopper_scan(
-            x, B, C, z, D, y, layout, ssm_state, state_slots, has_initial_state
-        )
-        return y
     dev = x.device
     rows = chunk // block
     cb = torch.empty(num_chunk_ids, G, rows, rows, block, block, dtype=x.dtype, device=dev)
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    if cfg.get("maxnreg"):
+    if cfg["maxnreg"] is not None:
         launch["maxnreg"] = cfg["maxnreg"]
     _ssd_chunk_cb_kernel[(rows * rows, num_chunk_ids, G)](
         B,
         C,
         cb,
-        chunk_start,
-        chunk_len,
+        layout["chunk_start"],
+        layout["chunk_len"],
         N,
         *B.stride(),
         *C.stride(),
@@ -811,12 +824,12 @@ def ssd_scan_varlen_triton(
         D,
         y,
         cb,
-        dt_buf,
-        cum_buf,
-        chunk_start,
-        chunk_len,
-        chunk_seq,
-        seq_first_chunk,
+        layout["dt"],
+        layout["cum"],
+        layout["chunk_start"],
+        layout["chunk_len"],
+        layout["chunk_seq"],
+        layout["seq_first_chunk"],
         state_slots,
         has_initial_state.to(torch.int8),
         ssm_state,
@@ -847,4 +860,61 @@ def ssd_scan_varlen_triton(
         STATE_PRECISION=dots["state_precision"],
         **launch,
     )
+
+
+def ssd_scan_varlen_triton(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    *,
+    cu_seqlens: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    z: torch.Tensor | None = None,
+    chunk_size: int = 256,
+    start_positions: torch.Tensor | None = None,
+    config: Mapping[str, Any] | None = None,
+) -> torch.Tensor:
+    """Triton twin of `ssd_scan_varlen_ref` (same arguments, shapes and result).
+
+    Chunked (see the comment above the kernels): chunks of `chunk_tokens(chunk_size)`
+    tokens, aligned to multiples of that in absolute positions (`start_positions`, as in
+    the twin); blocking only affects rounding. Scratch: dt and its cumsum (8 bytes per
+    token and head), C.B^T per chunk and group, and a float32 ring of two states per head
+    (8 MiB at Bamba-9B dims). No host sync (CUDA-graph safe): chunk metadata is computed
+    on the device. cu_seqlens, state_slots and has_initial_state values are not
+    validated: slots must be valid and distinct. `config` overrides launch parameters
+    (see `scan_launch_config`; benchmarks and tests only). This is the portable kernel;
+    ssd_scan_hopper.ssd_scan_varlen_hopper is the sm_90 one.
+    """
+    y, chunk, layout = _prepare(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        cu_seqlens,
+        ssm_state,
+        state_slots,
+        has_initial_state,
+        dt_bias,
+        dt_softplus,
+        dt_limit,
+        z,
+        chunk_size,
+        start_positions,
+    )
+    cfg = scan_launch_config(x.dtype, chunk, config)
+    if layout is not None:
+        _scan_chunks(
+            x, B, C, z, D, y, layout, ssm_state, state_slots, has_initial_state, chunk, cfg
+        )
     return y

@@ -21,17 +21,20 @@ Partitions (gl.warp_specialize), synchronised by mbarriers only:
 - two output partitions (4 warps each): even and odd blocks, 64 rows each, each whole
   block sent to y by one TMA store from a shared tile.
 
-docs/kernels_notes.md (fifth session) has the measurements and the variants tried.
+`ssd_scan_varlen_hopper` is the op of kernel_backend "hopper": the metadata launch of
+ssd_scan.py, then this kernel where `hopper_scan_usable` says it takes the call, else the
+Triton-language kernels. docs/kernels.md has the measurements.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
+import math
 
 import torch
 
 from ssmserve.kernels._common import HAS_TRITON, interpret_mode
+from ssmserve.kernels.ssd_scan import _prepare, _scan_chunks, scan_launch_config
 
 HAS_GLUON = HAS_TRITON and importlib.util.find_spec("triton.experimental.gluon") is not None
 
@@ -62,6 +65,35 @@ BLOCK_TOKENS = 64
 NUM_STAGES = 3
 
 
+def hopper_unavailable_reason(device: torch.device) -> str | None:
+    """Why the Gluon kernel cannot run on `device` (kernel_backend "hopper"), or None."""
+    if not HAS_GLUON:
+        return (
+            "kernel backend 'hopper' needs Triton with Gluon (triton.experimental.gluon, "
+            "Triton >= 3.6); use kernel_backend='triton'"
+        )
+    if interpret_mode():
+        return (
+            "kernel backend 'hopper' does not run in the Triton interpreter "
+            "(TRITON_INTERPRET=1); use kernel_backend='triton'"
+        )
+    if device.type != "cuda":
+        return (
+            f"kernel backend 'hopper' needs an sm_90 CUDA GPU (H100/H200), not device "
+            f"{device}; use kernel_backend='triton' or 'torch'"
+        )
+    if not torch.cuda.is_available():
+        return "kernel backend 'hopper' needs an sm_90 CUDA GPU, and CUDA is not available"
+    capability = torch.cuda.get_device_capability(device)
+    if capability != (9, 0):
+        return (
+            f"kernel backend 'hopper' needs an sm_90 GPU (H100/H200); "
+            f"{torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}: "
+            "use kernel_backend='triton'"
+        )
+    return None
+
+
 def hopper_scan_usable(
     x: torch.Tensor,
     B: torch.Tensor,
@@ -73,16 +105,11 @@ def hopper_scan_usable(
 ) -> bool:
     """Whether the Gluon kernel takes this call (else the Triton-language kernel does).
 
-    It needs an sm_90 GPU, bf16 x, B and C, head dim 64, state dim 64 or 128, 256-token
-    chunks, unit strides on the last dims, heads contiguous in x, B and C (the TMA copies
-    view them as [T, heads * dim]), and 16-byte aligned bases and strides. On by default
-    there (0.75 against 1.53 ms at 32k tokens, Bamba-9B dims, on an H200);
-    SSMSERVE_SSD_GLUON=0 turns it off.
+    Per call, on a device where `hopper_unavailable_reason` is None: bf16 x, B and C, head
+    dim 64, state dim 64 or 128, 256-token chunks, unit strides on the last dims, heads
+    contiguous in x, B, C and y (the TMA copies view them as [T, heads * dim]), and
+    16-byte aligned bases and strides.
     """
-    if not HAS_GLUON or interpret_mode() or os.environ.get("SSMSERVE_SSD_GLUON", "1") == "0":
-        return False
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
-        return False
     if any(t.dtype != torch.bfloat16 for t in (x, B, C)) or chunk != CHUNK_TOKENS:
         return False
     if x.shape[0] == 0 or x.shape[2] != BLOCK_TOKENS or B.shape[2] not in (64, 128):
@@ -166,9 +193,9 @@ def _state(descs, bufs, bars, ptrs, scal):
     N: gl.constexpr = b_s.shape[2]
     dtype: gl.constexpr = x_s.dtype
     chunk_len_ptr, chunk_seq_ptr = ptrs[1], ptrs[2]
-    state_ptr, state_slots_ptr, has_init_ptr = ptrs[8], ptrs[9], ptrs[10]
+    state_ptr, state_slots_ptr, has_init_ptr = ptrs[7], ptrs[8], ptrs[9]
     num_chunks, head = scal[0], scal[1]
-    stride_s_slot, stride_s_h, stride_s_p = scal[5], scal[6], scal[7]
+    stride_s_slot, stride_s_h, stride_s_p = scal[4], scal[5], scal[6]
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16]
     )
@@ -227,8 +254,8 @@ def _state(descs, bufs, bars, ptrs, scal):
                 a_next, end_next = _prep(x_s, cum_s, dt_s, (g + 1) % NS, a_s)
             state, a = warpgroup_mma_wait(num_outstanding=0, deps=(state, a))
             # Generic-proxy reads of the stage are ordered before the TMA copies that
-            # overwrite it: a shared load still in flight at a release raced with them
-            # (docs/kernels_notes.md, fifth session).
+            # overwrite it: mbarrier.arrive alone does not order a shared load still in
+            # flight before the loader's refill, which runs in the async proxy.
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(bars.index(EMPTY + s), count=1)
@@ -253,15 +280,15 @@ def _outputs(descs, bufs, bars, ptrs, scal, W: gl.constexpr):
     P: gl.constexpr = x_s.shape[2]
     dtype: gl.constexpr = x_s.dtype
     chunk_start_ptr, chunk_len_ptr = ptrs[0], ptrs[1]
-    cum_buf_ptr, D_ptr, y_ptr, z_ptr = ptrs[4], ptrs[5], ptrs[6], ptrs[7]
-    y_desc, y_s = ptrs[11], ptrs[12]
+    cum_buf_ptr, D_ptr, y_ptr, z_ptr = ptrs[3], ptrs[4], ptrs[5], ptrs[6]
+    y_desc, y_s = ptrs[10], ptrs[11]
     num_chunks, head, H = scal[0], scal[1], scal[3]
     stride_y_t, stride_y_h, has_z, stride_z_t, stride_z_h = (
+        scal[7],
         scal[8],
         scal[9],
         scal[10],
         scal[11],
-        scal[12],
     )
     mma_y: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, P, 16]
@@ -415,7 +442,6 @@ def _ssd_scan_hopper_kernel(
         chunk_start_ptr,
         chunk_len_ptr,
         chunk_seq_ptr,
-        seq_first_chunk_ptr,
         cum_buf_ptr,
         D_ptr,
         y_ptr,
@@ -431,7 +457,6 @@ def _ssd_scan_hopper_kernel(
         head,
         group,
         H,
-        G,
         stride_s_slot,
         stride_s_h,
         stride_s_p,
@@ -461,8 +486,8 @@ def launch_hopper_scan(
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
 ) -> None:
-    """Launch the kernel after ssd_scan.py's metadata launch: one CTA per head.
-    `layout` is ssd_scan._chunk_layout's."""
+    """Launch the kernel after ssd_scan.py's metadata launch (`layout` is
+    ssd_scan._chunk_layout's): one CTA per head."""
     T, H, P = x.shape
     G, N = B.shape[1:]
     bf16 = gl.bfloat16
@@ -523,3 +548,64 @@ def launch_hopper_scan(
         N=N,
         num_warps=4,
     )
+
+
+def ssd_scan_varlen_hopper(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    *,
+    cu_seqlens: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    z: torch.Tensor | None = None,
+    chunk_size: int = 256,
+    start_positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The SSD scan of kernel_backend "hopper" (same arguments, shapes and result as
+    ssd_scan.ssd_scan_varlen_ref).
+
+    After the chunk metadata launch, the Gluon kernel runs where `hopper_scan_usable` says
+    it takes the call (bf16 inputs, head dim 64, state dim 64 or 128, 256-token chunks,
+    the strides TMA needs); other calls run the Triton-language kernels with their default
+    launch parameters, as ssd_scan_varlen_triton does. No host sync (CUDA-graph safe).
+    Raises where the Gluon kernel cannot run at all (see `hopper_unavailable_reason`).
+    """
+    reason = hopper_unavailable_reason(x.device)
+    if reason is not None:
+        raise RuntimeError(reason)
+    y, chunk, layout = _prepare(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        cu_seqlens,
+        ssm_state,
+        state_slots,
+        has_initial_state,
+        dt_bias,
+        dt_softplus,
+        dt_limit,
+        z,
+        chunk_size,
+        start_positions,
+    )
+    if layout is None:
+        return y
+    if hopper_scan_usable(x, B, C, z, y, ssm_state, chunk):
+        launch_hopper_scan(x, B, C, z, D, y, layout, ssm_state, state_slots, has_initial_state)
+    else:
+        cfg = scan_launch_config(x.dtype, chunk)
+        _scan_chunks(
+            x, B, C, z, D, y, layout, ssm_state, state_slots, has_initial_state, chunk, cfg
+        )
+    return y

@@ -14,11 +14,21 @@ pool as H = Dm, P = 1 with G = 1.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ssmserve.kernels._common import check_shape, lazy_jit, next_pow2, process_dt, tl, triton
+from ssmserve.kernels._common import (
+    check_shape,
+    launch_config,
+    lazy_jit,
+    next_pow2,
+    process_dt,
+    tl,
+    triton,
+)
 
 
 def _check_state_update_args(
@@ -255,11 +265,18 @@ def _state_update_kernel(
     )
 
 
-def _launch_config(P: int, block_n: int) -> dict[str, int]:
-    """Block sizes (benchmarks/kernels/bench_kernels.py sweeps these)."""
-    # ~2k state elements per program: enough bytes in flight per SM at large batch,
-    # and enough programs at batch 1 to cover the SMs.
-    return {"block_p": min(next_pow2(P), max(1, 2048 // block_n)), "num_warps": 4}
+def update_launch_config(P: int, N: int, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Launch parameters for head dim P and state dim N, `config` overriding the defaults
+    (benchmarks/kernels/bench_state_update.py sweeps them).
+
+    block_p: head-dim rows per program. The default gives ~2k state elements per program:
+        enough bytes in flight per SM at large batch, and enough programs at batch 1 to
+        cover the SMs. On the H200 every block size measured lies within 2% of the
+        others at batch 64 and 256 (benchmarks/results/kernels_2026-11-29_h200_full.md).
+    num_warps: warps per program.
+    """
+    default = {"block_p": min(next_pow2(P), max(1, 2048 // next_pow2(N))), "num_warps": 4}
+    return launch_config("selective_state_update", default, config)
 
 
 def _tied_over_p(t: torch.Tensor | None, dims: tuple[int, ...]) -> bool:
@@ -280,11 +297,13 @@ def selective_state_update_triton(
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, math.inf),
     state_slots: torch.Tensor,
+    config: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Triton twin of `selective_state_update_ref` (same arguments, shapes and result).
 
     When dt, A, D and dt_bias are all stride-0 over P (and A over N), as in Mamba2,
-    the kernel reads them once per head. No host sync: safe under CUDA graphs.
+    the kernel reads them once per head. No host sync: safe under CUDA graphs. `config`
+    overrides launch parameters (see `update_launch_config`; benchmarks and tests only).
     """
     Bt, H, P, G, N = _check_state_update_args(ssm_state, x, dt, A, B, C, D, z, dt_bias, state_slots)
     y = torch.empty(Bt, H, P, dtype=x.dtype, device=x.device)
@@ -298,7 +317,7 @@ def selective_state_update_triton(
         and _tied_over_p(dt_bias, (1,))
     )
     block_n = next_pow2(N)
-    cfg = _launch_config(P, block_n)
+    cfg = update_launch_config(P, N, config)
     block_p = cfg["block_p"]
     lo, hi = dt_limit
     zeros3 = (0, 0, 0)

@@ -1,7 +1,9 @@
-"""The Gluon (sm_90) SSD scan against the float32 twin and the Triton-language kernel.
+"""The Gluon (sm_90) SSD scan of kernel_backend "hopper" against the float32 twin and the
+Triton-language kernel.
 
 GPU only: the kernel needs an H100/H200 (Gluon does not run in the interpreter). CI on a
-CPU skips this file; the Triton-language kernel it stands in for is tested there.
+CPU skips this file; the Triton-language kernel it stands in for is tested there, and the
+backend selection in test_get_ops.py.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import torch
 from test_triton_ssd_scan import SEQ_FIELDS, make_inputs, run
 from triton_testing import DEVICE
 
-from ssmserve.kernels import ssd_scan_hopper
+from ssmserve.kernels import get_ops, ssd_scan_hopper
 from ssmserve.kernels.ssd_scan import ssd_scan_varlen_ref, ssd_scan_varlen_triton
+from ssmserve.kernels.ssd_scan_hopper import ssd_scan_varlen_hopper
 
 pytestmark = pytest.mark.skipif(
     DEVICE.type != "cuda"
@@ -50,7 +53,7 @@ def compare(inp, lengths, slots, init, tol=5e-3):
     }
     ref["ssm_state"] = before.clone()
     y_ref = run(ssd_scan_varlen_ref, ref, lengths, slots, init)
-    y = run(ssd_scan_varlen_triton, inp, lengths, slots, init)
+    y = run(ssd_scan_varlen_hopper, inp, lengths, slots, init)
     assert y.dtype == inp["x"].dtype
     assert_rel_close(y, y_ref, tol, "y")
     assert_rel_close(inp["ssm_state"][slots], ref["ssm_state"][slots], tol, "state")
@@ -60,8 +63,7 @@ def compare(inp, lengths, slots, init, tol=5e-3):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Counts the Gluon kernel's launches (it is on by default on sm_90)."""
-    monkeypatch.delenv("SSMSERVE_SSD_GLUON", raising=False)
+    """Counts the Gluon kernel's launches."""
     calls = []
     launch = ssd_scan_hopper.launch_hopper_scan
 
@@ -92,9 +94,14 @@ def test_matches_twin(launches, G, N, with_dz):
     assert launches, "the Gluon kernel was not used"
 
 
+def test_auto_backend_on_sm90_is_hopper():
+    ops = get_ops("auto", DEVICE)
+    assert ops.backend == "hopper" and ops.ssd_scan_varlen is ssd_scan_varlen_hopper
+
+
 def test_repeated_runs_are_identical(launches):
-    """The partitions hand shared memory over through mbarriers; a missing fence there made
-    some runs differ (the fifth session), so runs must agree bit for bit."""
+    """The partitions hand shared memory over through mbarriers; a missing fence there lets
+    a refill race a read, so runs must agree bit for bit."""
     inp = make_inputs(
         LENGTHS,
         8,
@@ -111,23 +118,22 @@ def test_repeated_runs_are_identical(launches):
     outs = []
     for _ in range(8):
         inp["ssm_state"] = pool.clone()
-        outs.append((run(ssd_scan_varlen_triton, inp, LENGTHS, SLOTS, INIT), inp["ssm_state"]))
+        outs.append((run(ssd_scan_varlen_hopper, inp, LENGTHS, SLOTS, INIT), inp["ssm_state"]))
     assert len(launches) == 8
     for y, state in outs[1:]:
         assert torch.equal(y, outs[0][0]) and torch.equal(state, outs[0][1])
 
 
-def test_matches_triton_language_kernel(launches, monkeypatch):
+def test_matches_triton_language_kernel(launches):
     lengths = [2000, 333, 1500]
     inp = make_inputs(lengths, 16, 64, 1, 128, num_slots=3, dtype=torch.bfloat16, seed=12)
     pool = inp["ssm_state"].clone()
-    y = run(ssd_scan_varlen_triton, inp, lengths, [2, 0, 1], [True, False, True])
+    y = run(ssd_scan_varlen_hopper, inp, lengths, [2, 0, 1], [True, False, True])
     assert launches
     state = inp["ssm_state"]
     inp["ssm_state"] = pool
-    monkeypatch.setenv("SSMSERVE_SSD_GLUON", "0")
     y_tl = run(ssd_scan_varlen_triton, inp, lengths, [2, 0, 1], [True, False, True])
-    assert len(launches) == 1, "SSMSERVE_SSD_GLUON=0 must select the Triton-language kernel"
+    assert len(launches) == 1, "ssd_scan_varlen_triton must never launch the Gluon kernel"
     # The two kernels round different operands to bf16 (this one: the state entering each
     # 64-token block and the diagonal tile with D on it; the other: C.B^T tiles and the
     # chunk's entering state), each ~2.5e-3 from the float32 twin in rel. L2, so they
@@ -140,13 +146,13 @@ def test_matches_triton_language_kernel(launches, monkeypatch):
 def test_resumed_mid_chunk_equals_whole(launches, split):
     L = 900
     inp = make_inputs([L], 4, 64, 1, 128, dtype=torch.bfloat16, seed=13)
-    y_whole = run(ssd_scan_varlen_triton, inp, [L], [0], [False])
+    y_whole = run(ssd_scan_varlen_hopper, inp, [L], [0], [False])
     state_whole = inp["ssm_state"][0].clone()
     first = {k: (v[:split] if k in SEQ_FIELDS else v) for k, v in inp.items()}
     second = {k: (v[split:] if k in SEQ_FIELDS else v) for k, v in inp.items()}
-    y1 = run(ssd_scan_varlen_triton, first, [split], [3], [False])
+    y1 = run(ssd_scan_varlen_hopper, first, [split], [3], [False])
     y2 = run(
-        ssd_scan_varlen_triton,
+        ssd_scan_varlen_hopper,
         second,
         [L - split],
         [3],
@@ -158,8 +164,9 @@ def test_resumed_mid_chunk_equals_whole(launches, split):
     assert_rel_close(inp["ssm_state"][3], state_whole, 2e-3, "state")
 
 
-def test_unsupported_shapes_use_the_triton_language_kernel(launches):
+@pytest.mark.parametrize("P,dtype", [(32, torch.bfloat16), (64, torch.float16)])
+def test_unsupported_calls_use_the_triton_language_kernel(launches, P, dtype):
     lengths = [300]
-    inp = make_inputs(lengths, 4, 32, 1, 128, num_slots=1, dtype=torch.bfloat16, seed=14)
-    compare(inp, lengths, [0], [True])  # head dim 32: not this kernel
+    inp = make_inputs(lengths, 4, P, 1, 128, num_slots=1, dtype=dtype, seed=14)
+    compare(inp, lengths, [0], [True])  # head dim 32 or fp16: not this kernel
     assert not launches

@@ -8,7 +8,6 @@ from kernel_testing import assert_close, randn, seeded
 from test_ref_paged_attention import build_case
 from triton_testing import DEVICE, requires_triton
 
-from ssmserve.kernels import paged_attention as attn_mod
 from ssmserve.kernels.gated_rms_norm import gated_rms_norm_ref, gated_rms_norm_triton
 from ssmserve.kernels.paged_attention import (
     paged_attention_ref,
@@ -86,11 +85,10 @@ def test_paged_attention_mixed_batch_matches_twin(H, KVH, Dh, dtype, sliding_win
 @pytest.mark.filterwarnings("error::RuntimeWarning")
 @pytest.mark.parametrize("num_splits,block_n", [(1, 16), (3, 16), (8, 64)])
 @pytest.mark.parametrize("sliding_window", [None, 21])
-def test_paged_attention_decode_splits_match_twin(monkeypatch, num_splits, block_n, sliding_window):
+def test_paged_attention_decode_splits_match_twin(num_splits, block_n, sliding_window):
     # ragged contexts at the engine's block size; 100 tokens is 7 tiles of 16, so with 3
     # splits of 3 tiles the last split is short, and 1-token contexts leave splits empty
     cfg = dict(block_m=16, block_n=block_n, num_splits=num_splits, num_warps=4, num_stages=2)
-    monkeypatch.setattr(attn_mod, "_decode_config", lambda *args: cfg)
     (q, kc, vc), kw = attention_case(
         8, 2, 8, torch.float32, block_size=16, decode_ctx=[0, 15, 16, 99, 63], prefills=False
     )
@@ -99,7 +97,7 @@ def test_paged_attention_decode_splits_match_twin(monkeypatch, num_splits, block
     # read scratch the kernel never wrote would raise (inf * 0) in the interpreter.
     poison = [torch.full((n,), float("inf"), device=DEVICE) for n in (64, 256, 1024, 4096)]
     del poison
-    out = paged_attention_triton(q, kc, vc, **kw, num_decodes=5)
+    out = paged_attention_triton(q, kc, vc, **kw, num_decodes=5, decode_config=cfg)
     assert_close(out, paged_attention_ref(q, kc, vc, **kw))
 
 

@@ -8,7 +8,6 @@ import torch
 from kernel_testing import assert_close, cu_seqlens_of, naive_selective_scan, randn, seeded
 from triton_testing import DEVICE, requires_triton
 
-from ssmserve.kernels import selective_scan
 from ssmserve.kernels.selective_scan import (
     selective_scan_varlen_ref,
     selective_scan_varlen_triton,
@@ -73,14 +72,15 @@ def run(fn, inp, lengths, slots, init, **kw):
     )
 
 
-def compare(inp, lengths, slots, init, **kw):
-    """Triton against the twin, and each sequence against a naive float64 loop."""
+def compare(inp, lengths, slots, init, config=None, **kw):
+    """Triton (launch parameters `config`) against the twin, and each sequence against a
+    naive float64 loop."""
     before = inp["ssm_state"].clone()
     pool = before.clone()
     y_ref = run(selective_scan_varlen_ref, inp, lengths, slots, init, **kw)
     state_ref = inp["ssm_state"].clone()
     inp["ssm_state"] = pool
-    y = run(selective_scan_varlen_triton, inp, lengths, slots, init, **kw)
+    y = run(selective_scan_varlen_triton, inp, lengths, slots, init, config=config, **kw)
     assert y.dtype == inp["u"].dtype
     assert_close(y, y_ref, msg="y")
     assert_close(pool, state_ref, msg="state pool")
@@ -132,7 +132,7 @@ def test_packed_views_fp16_bf16_state_no_softplus():
     compare(inp, lengths, slots, [True, True], delta_softplus=False)
 
 
-# Configs the benchmark sweeps: one-token blocks, blocks longer than the sequences,
+# Launch parameters the benchmark sweeps: one-token blocks, blocks longer than the sequences,
 # all state entries in registers, two lanes per channel, several channel programs.
 @pytest.mark.parametrize(
     "override",
@@ -143,12 +143,10 @@ def test_packed_views_fp16_bf16_state_no_softplus():
         {"n_inner": 2, "block_t": 4},
     ],
 )
-def test_launch_configs(monkeypatch, override):
-    config = selective_scan._launch_config
-    monkeypatch.setattr(selective_scan, "_launch_config", lambda *a: {**config(*a), **override})
+def test_launch_configs(override):
     lengths, slots = [5, 11, 0], [1, 3, 0]
     inp = make_inputs(lengths, 10, 6, seed=3)
-    compare(inp, lengths, slots, [True, False, True])
+    compare(inp, lengths, slots, [True, False, True], config=override)
 
 
 @pytest.mark.parametrize("split", [3, 8, 13])

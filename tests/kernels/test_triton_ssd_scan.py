@@ -66,13 +66,15 @@ def run(fn, inp, lengths, slots, init, **kw):
     )
 
 
-def compare(inp, lengths, slots, init, scale=1.0, **kw):
+def compare(inp, lengths, slots, init, scale=1.0, fn=ssd_scan_varlen_triton, config=None, **kw):
+    """`fn` (the Triton kernel, launch parameters `config`) against the twin."""
     before = inp["ssm_state"].clone()
     pool = before.clone()
     y_ref = run(ssd_scan_varlen_ref, inp, lengths, slots, init, **kw)
     state_ref = inp["ssm_state"].clone()
     inp["ssm_state"] = pool
-    y = run(ssd_scan_varlen_triton, inp, lengths, slots, init, **kw)
+    extra = {} if config is None else {"config": config}
+    y = run(fn, inp, lengths, slots, init, **extra, **kw)
     assert y.dtype == inp["x"].dtype
     assert_close(y, y_ref, scale=scale, msg="y")
     # On the GPU the dots building the state take operands in x's dtype (x scaled by its
@@ -107,26 +109,19 @@ def test_matches_twin_16bit(dtype):
     compare(inp, lengths, slots, [True, False, True], chunk_size=16)
 
 
-def test_row_and_column_blocks_smaller_than_chunk(monkeypatch):
+def test_row_and_column_blocks_smaller_than_chunk():
     """Several row blocks per chunk and several column blocks per row block."""
-    config = ssd_scan._launch_config
-    monkeypatch.setattr(
-        ssd_scan,
-        "_launch_config",
-        lambda *a: {**config(*a), "chunk": 64, "block": 16, "block_t": 32},
-    )
     lengths, slots = [50, 3, 130], [1, 3, 0]
     inp = make_inputs(lengths, 2, 6, 1, 10, seed=4, packed_xbc=True)
-    compare(inp, lengths, slots, [True, False, True], chunk_size=64)
+    config = {"block": 16, "block_t": 32}
+    compare(inp, lengths, slots, [True, False, True], chunk_size=64, config=config)
 
 
-def test_head_dim_split_into_chains(monkeypatch):
+def test_head_dim_split_into_chains():
     """P split over programs (block_p < P, the last block partial): chains stay separate."""
-    config = ssd_scan._launch_config
-    monkeypatch.setattr(ssd_scan, "_launch_config", lambda *a: {**config(*a), "block_p": 16})
     lengths, slots = [40, 9, 21], [2, 0, 1]
     inp = make_inputs(lengths, 2, 40, 1, 6, seed=6)
-    compare(inp, lengths, slots, [True, False, True], chunk_size=16)
+    compare(inp, lengths, slots, [True, False, True], chunk_size=16, config={"block_p": 16})
 
 
 def test_chunk_id_bound_is_tight():

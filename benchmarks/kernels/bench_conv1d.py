@@ -1,0 +1,124 @@
+"""How fast is the causal conv1d (Mamba prefill and decode), next to its floor?
+
+    PYTHONPATH=$PWD python benchmarks/kernels/bench_conv1d.py          # GPU
+    PYTHONPATH=$PWD python benchmarks/kernels/bench_conv1d.py --tiny   # CPU smoke run
+
+Bamba-9B (conv dim 8192 + 2 x 128) and Mamba2-2.7B (5120 + 2 x 128) mixers, kernel width
+4, bf16, SiLU. Sections:
+- accuracy: varlen prefill (sequences shorter than the kernel, with and without
+  conv state) and the one-token update with a padding row, against the twins.
+- varlen: 4k and 32k tokens, one sequence with a conv state.
+- update: batch 1 / 64 / 256, eager and under CUDA-graph replay.
+Floor: x read and y written once (bf16), plus the conv states for the update.
+"""
+
+from __future__ import annotations
+
+import torch
+from bench_common import (
+    DEV,
+    bench_ms,
+    capture,
+    environment,
+    finish,
+    floor_ms,
+    parse_args,
+    record_check,
+    record_time,
+    rel_err,
+    run_sections,
+)
+
+from ssmserve.kernels.causal_conv1d import (
+    causal_conv1d_update_ref,
+    causal_conv1d_update_triton,
+    causal_conv1d_varlen_ref,
+    causal_conv1d_varlen_triton,
+)
+
+SECTIONS = ("accuracy", "varlen", "update")
+OPTS = parse_args(__doc__, SECTIONS)
+MODELS = [("bamba-9b", 8192 + 2 * 128), ("mamba2-2.7b", 5120 + 2 * 128)]  # (name, conv dim)
+K = 4
+CHECK_T, VARLEN_T, BATCHES = 8192, (4096, 32768), (1, 64, 256)
+if OPTS.tiny:
+    MODELS = [("tiny", 48)]
+    CHECK_T, VARLEN_T, BATCHES = 300, (64,), (1, 4)
+
+
+def rand(*shape: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, device=DEV).to(torch.bfloat16)
+
+
+def accuracy() -> None:
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    for name, Cd in MODELS:
+        lengths = [CHECK_T // 2, 3, 1, CHECK_T - CHECK_T // 2 - 4]
+        cu = torch.tensor([0, *lengths], device=DEV).cumsum(0).to(torch.int32)
+        x, w, b = rand(CHECK_T, Cd, gen=gen), rand(Cd, K, gen=gen), rand(Cd, gen=gen)
+        pool = rand(6, Cd, K - 1, gen=gen)
+        meta = dict(
+            cu_seqlens=cu,
+            state_slots=torch.tensor([5, 0, 2, 3], device=DEV),
+            has_initial_state=torch.tensor([True, True, False, True], device=DEV),
+        )
+        pool_ref = pool.clone()
+        y_ref = causal_conv1d_varlen_ref(x, w, b, conv_state=pool_ref, **meta)
+        y = causal_conv1d_varlen_triton(x, w, b, conv_state=pool, **meta)
+        errors = {"y": rel_err(y, y_ref), "state": rel_err(pool, pool_ref)}
+        record_check(f"varlen {name} T={CHECK_T}", errors)
+        slots = torch.tensor([1, -1, 4, 0], device=DEV)
+        xs = rand(4, Cd, gen=gen)
+        pool_ref = pool.clone()
+        y_ref = causal_conv1d_update_ref(xs, pool_ref, w, b, state_slots=slots)
+        y = causal_conv1d_update_triton(xs, pool, w, b, state_slots=slots)
+        errors = {"y": rel_err(y, y_ref), "state": rel_err(pool, pool_ref)}
+        record_check(f"update {name} (padding row)", errors)
+
+
+def varlen() -> None:
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    for name, Cd in MODELS:
+        w, b = rand(Cd, K, gen=gen), rand(Cd, gen=gen)
+        for T in VARLEN_T:
+            x, pool = rand(T, Cd, gen=gen), rand(4, Cd, K - 1, gen=gen)
+            meta = dict(
+                cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=DEV),
+                state_slots=torch.tensor([3], device=DEV),
+                has_initial_state=torch.tensor([True], device=DEV),
+            )
+            ms = bench_ms(
+                lambda x=x, pool=pool, meta=meta, w=w, b=b: causal_conv1d_varlen_triton(
+                    x, w, b, conv_state=pool, **meta
+                )
+            )
+            record_time(f"varlen {name} T={T}", ms, floor_ms(2 * T * Cd * 2))
+
+
+def update() -> None:
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    for name, Cd in MODELS:
+        w, b = rand(Cd, K, gen=gen), rand(Cd, gen=gen)
+        for Bt in BATCHES:
+            x, pool = rand(Bt, Cd, gen=gen), rand(Bt * 8, Cd, K - 1, gen=gen)
+            slots = torch.arange(Bt, device=DEV) * 8  # spread over the pool
+            fn = lambda x=x, pool=pool, s=slots, w=w, b=b: causal_conv1d_update_triton(  # noqa: E731
+                x, pool, w, b, state_slots=s
+            )
+            # x read, y written; the state window read and written
+            floor = floor_ms(Bt * Cd * (2 * 2 + 2 * (K - 1) * 2))
+            record_time(f"update {name} batch={Bt} eager", bench_ms(fn), floor)
+            if DEV.type == "cuda":
+                graph, _ = capture(fn)
+                record_time(f"update {name} batch={Bt} graph", bench_ms(graph.replay), floor)
+                del graph
+
+
+def main() -> None:
+    environment(OPTS, kernel_width=K)
+    run_sections(OPTS, dict(accuracy=accuracy, varlen=varlen, update=update))
+    finish(OPTS, "conv1d", "Causal conv1d (varlen prefill and one-token update)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""What the benchmarks share: run metadata, percentiles, Markdown tables, JSON reports."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import random
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ssmserve
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between the closest ranks (numpy's default)."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def summarize(values: Sequence[float]) -> dict[str, float] | None:
+    """mean, p50, p90, p99, min and max of `values`; None when there are none."""
+    if not values:
+        return None
+    out = {"mean": sum(values) / len(values)}
+    out.update({f"p{q}": percentile(values, q) for q in PERCENTILES})
+    out["min"] = min(values)
+    out["max"] = max(values)
+    return out
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    """A table cell: fixed decimals, thousands separators, '–' for no value."""
+    if value is None:
+        return "–"
+    return f"{value:,.{digits}f}"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown pipe table with padded columns (pastes into benchmarks/results/*.md)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines = [
+        "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
+        "| " + " | ".join("-" * w for w in widths) + " |",
+    ]
+    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def random_token_prompts(
+    num: int, length: int, vocab_size: int, rng: random.Random
+) -> list[list[int]]:
+    """`num` prompts of `length` token ids drawn uniformly from the vocabulary."""
+    return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(num)]
+
+
+def git_commit(env_commit: str | None) -> str:
+    """The commit of the ssmserve source tree ('-dirty' with uncommitted changes to tracked
+    files), or `env_commit` when given (a copy of the tree without .git)."""
+    if env_commit:
+        return env_commit
+    root = os.path.dirname(os.path.dirname(os.path.abspath(ssmserve.__file__)))
+
+    def git(*args: str) -> str | None:
+        try:
+            run = subprocess.run(
+                ["git", "-C", root, *args], capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return run.stdout.strip() if run.returncode == 0 else None
+
+    sha = git("rev-parse", "HEAD")
+    if not sha:
+        return f"unknown (not a git checkout; ssmserve {ssmserve.__version__})"
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return sha + ("-dirty" if dirty else "")
+
+
+def device_name(device: Any) -> str:
+    """The GPU's name, or a description of the CPU."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+
+
+def command_line() -> str:
+    """The command this process runs, as typed (`ssmserve ...` for the installed script)."""
+    if os.path.basename(sys.argv[0]) == "ssmserve":
+        return shlex.join(["ssmserve", *sys.argv[1:]])
+    return shlex.join([os.path.basename(sys.orig_argv[0]), *sys.orig_argv[1:]])
+
+
+def run_metadata(env_commit: str | None, device: Any = None) -> dict[str, Any]:
+    """When and with what a result was measured (and on which `device`, when it is this
+    process's), and the exact command that measured it."""
+    import torch
+
+    meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if device is not None:
+        meta["device"] = device_name(device)
+    meta.update(
+        torch=torch.__version__,
+        ssmserve=ssmserve.__version__,
+        commit=git_commit(env_commit),
+        command=command_line(),
+    )
+    return meta
+
+
+def write_json(path: str, report: dict[str, Any]) -> None:
+    """Write `report` as indented JSON, creating the folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+        f.write("\n")

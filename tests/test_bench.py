@@ -1,0 +1,343 @@
+"""`ssmserve bench latency | throughput`: timing, floors, the peer file, the JSON; and the
+progress bar of LLM.generate."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import transformers
+
+from ssmserve import LLM, SamplingParams
+from ssmserve.bench.common import percentile
+from ssmserve.bench.floors import DevicePeaks, ModelCosts, device_peaks, engine_costs
+from ssmserve.bench.latency import load_llama_bench, run_latency
+from ssmserve.bench.throughput import run_throughput, throughput_floor_s
+from ssmserve.cli import main
+from ssmserve.config import EngineConfig
+from ssmserve.engine.engine import LLMEngine
+from ssmserve.outputs import CompletionOutput, RequestOutput
+
+CPU = dict(device="cpu", dtype="float32")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bamba_engine(checkpoint):
+    return LLMEngine(EngineConfig(model=checkpoint("bamba"), max_num_seqs=3, **CPU))
+
+
+class TimedFakeEngine:
+    """An engine whose steps take known times: a prefill step `prefill_s`, a decode step
+    `decode_s`; each prompt needs `prefill_steps` steps before its first token."""
+
+    def __init__(self, prefill_s: float, decode_s: float, prefill_steps: int) -> None:
+        self.prefill_s, self.decode_s, self.prefill_steps = prefill_s, decode_s, prefill_steps
+        self.model_config = SimpleNamespace(vocab_size=50)
+        self.requests: dict[str, list] = {}  # id -> [steps done, tokens, max_tokens]
+
+    def add_request(self, request_id, prompt, params) -> None:
+        self.requests[request_id] = [0, 0, params.max_tokens]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        prefilling = any(r[0] < self.prefill_steps for r in self.requests.values())
+        time.sleep(self.prefill_s if prefilling else self.decode_s)
+        outputs = []
+        for rid, r in list(self.requests.items()):
+            r[0] += 1
+            if r[0] >= self.prefill_steps:
+                r[1] += 1
+            done = r[1] == r[2]
+            outputs.append(
+                RequestOutput(rid, None, [], None, [CompletionOutput(0, "", [7] * r[1])], done)
+            )
+            if done:
+                del self.requests[rid]
+        return outputs
+
+
+def test_latency_times_the_prefill_apart_from_the_decode_steps():
+    engine = TimedFakeEngine(prefill_s=0.06, decode_s=0.01, prefill_steps=2)
+    samples = run_latency(
+        engine,
+        batch_size=2,
+        input_len=4,
+        output_len=6,
+        num_iters_warmup=1,
+        num_iters=2,
+        progress=False,
+    )
+    assert len(samples) == 2
+    for s in samples:
+        # Two 60 ms prefill steps before the first token; then five 10 ms decode steps.
+        assert 0.12 <= s.ttft < 0.12 + 0.1
+        assert 0.01 <= s.decode_per_token < 0.01 + 0.02
+        assert s.e2e == pytest.approx(s.ttft + 5 * s.decode_per_token)
+
+
+def test_latency_on_a_real_engine_frees_everything(bamba_engine):
+    samples = run_latency(
+        bamba_engine,
+        batch_size=2,
+        input_len=12,
+        output_len=5,
+        num_iters_warmup=0,
+        num_iters=2,
+        progress=False,
+    )
+    assert len(samples) == 2 and all(0 < s.ttft < s.e2e for s in samples)
+    stats = bamba_engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0
+
+
+def test_latency_rejects_a_short_run():
+    engine = TimedFakeEngine(0, 0, 1)
+    with pytest.raises(ValueError, match="num_iters must be at least 1"):
+        run_latency(
+            engine, batch_size=1, input_len=1, output_len=1, num_iters_warmup=0, num_iters=0
+        )
+
+
+def test_throughput_counts_every_token_and_runs_the_baseline_only_when_asked(bamba_engine):
+    rows = run_throughput(bamba_engine, num_prompts=5, input_len=10, output_len=4, progress=False)
+    assert [r["mode"] for r in rows] == ["continuous batching"]
+    assert rows[0]["output_tokens"] == 5 * 4 and rows[0]["prompt_tokens"] == 5 * 10
+    assert rows[0]["concurrency"] == 3  # max_num_seqs of the engine
+    rows = run_throughput(
+        bamba_engine,
+        num_prompts=2,
+        input_len=6,
+        output_len=3,
+        sequential_baseline=True,
+        progress=False,
+    )
+    assert [r["mode"] for r in rows] == ["continuous batching", "one at a time"]
+    assert rows[1]["output_tokens"] == 2 * 3 and rows[1]["concurrency"] == 1
+
+
+def test_costs_of_the_tiny_bamba_match_its_config(bamba_engine):
+    costs = engine_costs(bamba_engine)
+    cfg = bamba_engine.model_config.hf_config
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    hf_params = sum(p.numel() for p in hf.parameters())
+    embedding = cfg.vocab_size * cfg.hidden_size
+    assert not cfg.tie_word_embeddings
+    assert costs.body_params + 2 * embedding == hf_params
+    assert costs.weight_bytes == (hf_params - embedding) * 4  # float32; the lookup table not
+    attn = len(cfg.attn_layer_indices)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert costs.kv_bytes_per_token == attn * 2 * cfg.num_key_value_heads * head_dim * 4
+    mamba = cfg.num_hidden_layers - attn
+    d_inner = cfg.mamba_n_heads * cfg.mamba_d_head
+    conv = (d_inner + 2 * cfg.mamba_n_groups * cfg.mamba_d_state) * (cfg.mamba_d_conv - 1)
+    ssm = cfg.mamba_n_heads * cfg.mamba_d_head * cfg.mamba_d_state
+    assert costs.state_bytes_per_seq == mamba * (conv + ssm) * 4
+    per_pair = 4 * cfg.num_attention_heads * head_dim * attn  # QK^T and PV, 2 FLOPs a MAC
+    assert costs.attention_flops_per_pair == per_pair
+
+
+def test_throughput_floor_counts_the_fewest_steps_and_all_traffic():
+    costs = ModelCosts(
+        body_params=10,
+        head_params=3,
+        weight_bytes=1000,
+        state_bytes_per_seq=50,
+        kv_bytes_per_token=0,
+        attention_flops_per_pair=0,
+    )
+    shape = dict(num_prompts=5, input_len=8, output_len=4, concurrency=2)
+    by_bytes = DevicePeaks("x", bandwidth=1000.0, flops=1e30, source="test")
+    # 5 requests of 4 output tokens, 2 at once: 3 rounds of 3 decode steps after a first
+    # step, each reading the 1000 weight bytes; each request writes its state once at
+    # prefill and reads + writes it at each of its 3 decode steps.
+    expected = (3 * 3 + 1) * 1000 + 5 * 50 + 5 * 3 * 2 * 50
+    assert throughput_floor_s(costs, by_bytes, **shape) == pytest.approx(expected / 1000)
+    by_flops = DevicePeaks("x", bandwidth=1e30, flops=1.0, source="test")
+    # Per request: prefill 2 x 10 x 8 + 2 x 3 (the head for the last token only), then
+    # 3 decode tokens of 2 x (10 + 3) each.
+    expected = 5 * (2 * 10 * 8 + 2 * 3 + 3 * 2 * 13)
+    assert throughput_floor_s(costs, by_flops, **shape) == pytest.approx(expected)
+
+
+def test_device_peaks_from_the_table_or_the_flags():
+    h200 = device_peaks("NVIDIA H200")
+    assert h200.bandwidth == 4.25e12 and h200.flops == 783e12
+    assert device_peaks("cpu (x86_64, 2 cores)") is None
+    mine = device_peaks("cpu (x86_64, 2 cores)", 0.1, 2.0)
+    assert mine.bandwidth == 1e11 and mine.flops == 2e12
+    assert device_peaks("NVIDIA H200", 4.0).flops == 783e12
+    with pytest.raises(ValueError, match="pass both --bandwidth"):
+        device_peaks("cpu", 0.1)
+    with pytest.raises(ValueError, match="positive"):
+        device_peaks("NVIDIA H200", -1.0)
+
+
+def test_percentile_matches_linear_interpolation():
+    values = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 90) == pytest.approx(4.6)  # 1 + 0.9 x 4 ranks: 4 + 0.6
+    assert percentile([7.0], 99) == 7.0
+
+
+def _llama_bench_test(n_prompt, n_gen, n_depth, samples_ns):
+    # The fields llama-bench's JSON printer writes that the reader uses, plus a few others.
+    return {
+        "build_commit": "abc1234",
+        "gpu_info": "NVIDIA H200",
+        "model_filename": "m.gguf",
+        "n_prompt": n_prompt,
+        "n_gen": n_gen,
+        "n_depth": n_depth,
+        "avg_ns": sum(samples_ns) // len(samples_ns),
+        "samples_ns": samples_ns,
+        "samples_ts": [1e9 * (n_prompt + n_gen) / s for s in samples_ns],
+    }
+
+
+@pytest.fixture
+def llama_bench_file(tmp_path):
+    tests = [
+        _llama_bench_test(2048, 0, 0, [108_000_000, 110_000_000, 106_000_000]),
+        _llama_bench_test(0, 128, 0, [500_000_000, 510_000_000, 490_000_000]),
+        _llama_bench_test(2048, 0, 2048, [150_000_000, 150_000_000, 150_000_000]),
+        _llama_bench_test(0, 128, 2048, [524_800_000, 524_800_000, 524_800_000]),
+    ]
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(tests, indent=2))
+    return path
+
+
+def test_peer_file_gives_prefill_from_empty_context_and_decode_at_the_prompt_depth(
+    llama_bench_file,
+):
+    peer = load_llama_bench(str(llama_bench_file), 2048)
+    assert peer.prefill_tokens == 2048 and peer.prefill == [0.108, 0.110, 0.106]
+    assert peer.decode_depth == 2048 and peer.decode_tokens == 128
+    assert peer.decode_per_token == pytest.approx([0.0041] * 3)  # 524.8 ms / 128 tokens
+    assert peer.source["build_commit"] == "abc1234"
+    # JSON lines (llama-bench -o jsonl) read the same.
+    lines = llama_bench_file.with_suffix(".jsonl")
+    lines.write_text("\n".join(json.dumps(t) for t in json.loads(llama_bench_file.read_text())))
+    from_lines = load_llama_bench(str(lines), 2048)
+    assert (from_lines.prefill, from_lines.decode_per_token) == (
+        peer.prefill,
+        peer.decode_per_token,
+    )
+
+
+def test_peer_file_that_is_not_llama_bench_output_is_refused(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"tokens_per_s": 5}))
+    with pytest.raises(ValueError, match="not llama-bench output"):
+        load_llama_bench(str(path), 16)
+    path.write_text("not json {")
+    with pytest.raises(ValueError, match="is not JSON"):
+        load_llama_bench(str(path), 16)
+
+
+def test_bench_latency_command_prints_floors_and_the_peer_and_writes_json(
+    checkpoint, llama_bench_file, tmp_path, capsys
+):
+    out_json = tmp_path / "lat.json"
+    argv = (
+        f"bench latency --model {checkpoint('mamba2')} --device cpu --batch-size 1 "
+        "--input-len 8 --output-len 4 --num-iters-warmup 1 --num-iters 3 "
+        f"--bandwidth 0.05 --peak-tflops 0.5 --peer-result {llama_bench_file} "
+        f"--output-json {out_json}"
+    ).split()
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "latency: 100%" in captured.err  # the progress bar
+    table = captured.out
+    assert "0.05 TB/s, 0.5 TFLOP/s" in table
+    decode_row = next(line for line in table.splitlines() if line.startswith("| decode"))
+    assert re.search(r"\d+\.\d\dx", decode_row)  # the median over its floor
+    assert "llama.cpp decode, per token (tg128 @ 0)" in table  # the depth nearest 8
+    report = json.loads(out_json.read_text())
+    keys = ("date", "device", "commit", "command", "config", "model", "params", "peaks", "cache")
+    for key in keys:
+        assert report[key], key
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True)
+    if head.returncode == 0:
+        assert re.fullmatch(head.stdout.decode().strip() + "(-dirty)?", report["commit"])
+    else:  # a copy of the tree without .git
+        assert report["commit"].startswith("unknown (not a git checkout")
+    assert report["config"]["model"] == checkpoint("mamba2")
+    assert report["params"]["batch_size"] == 1
+    assert len(report["results"]["samples_s"]) == 3
+    summary = report["results"]["summary_s"]["decode_per_token"]
+    assert summary["p50"] <= summary["p90"] <= summary["p99"] <= summary["max"]
+    floor = report["results"]["floors_s"]["decode_per_token"]
+    costs = report["model"]["costs"]
+    assert floor >= costs["weight_bytes"] / 0.05e12  # every weight is read each step
+    assert report["results"]["peer"]["decode_depth"] == 0
+
+
+def test_bench_latency_refuses_a_peer_file_at_batch_above_one(llama_bench_file, capsys):
+    argv = ["bench", "latency", "--batch-size", "2", "--peer-result", str(llama_bench_file)]
+    assert main(argv) == 2
+    assert "use --batch-size 1" in capsys.readouterr().err
+
+
+def test_bench_throughput_command_table_and_json(checkpoint, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SSMSERVE_COMMIT", "0123abc (the device copy)")
+    out_json = tmp_path / "thr.json"
+    model = checkpoint("mamba")
+    argv = (
+        f"bench throughput --model {model} --device cpu --num-prompts 4 --input-len 6 "
+        f"--output-len 3 --disable-tqdm --output-json {out_json}"
+    ).split()
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "continuous batching:" not in captured.err  # --disable-tqdm
+    assert "| continuous batching |" in captured.out and "one at a time" not in captured.out
+    assert "floors: none" in captured.out
+    report = json.loads(out_json.read_text())
+    assert report["benchmark"] == "throughput"
+    assert report["commit"] == "0123abc (the device copy)"
+    assert report["results"][0]["output_tokens"] == 12
+    assert report["results"][0]["floor_s"] is None
+
+
+def test_bench_reports_a_prompt_that_does_not_fit(checkpoint, capsys):
+    argv = (
+        f"bench latency --model {checkpoint('mamba2')} --device cpu --max-model-len 16 "
+        "--input-len 20 --num-iters 1 --num-iters-warmup 0 --disable-tqdm"
+    ).split()
+    assert main(argv) == 2
+    assert "max_model_len is 16" in capsys.readouterr().err
+
+
+def test_llm_generate_shows_a_progress_bar_unless_told_not_to(checkpoint, capsys):
+    llm = LLM(checkpoint("mamba2"), **CPU)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    llm.generate(["a", "b", "c"], params)
+    err = capsys.readouterr().err
+    assert "Processed prompts: 100%" in err and "3/3" in err and "tok/s" in err
+    llm.generate(["a"], params, use_tqdm=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_dtype_of_the_costs_follows_the_engine(checkpoint):
+    engine = LLMEngine(
+        EngineConfig(
+            model=checkpoint("mamba2"), device="cpu", dtype="bfloat16", mamba_ssm_cache_dtype="auto"
+        )
+    )
+    costs = engine_costs(engine)
+    hf = transformers.AutoModelForCausalLM.from_config(engine.model_config.hf_config)
+    params = sum(p.numel() for p in hf.parameters())
+    assert costs.weight_bytes == (params - costs.head_params) * 2  # untied: no lookup table
+    mixer = engine.model_config.hf_config
+    d_inner = mixer.num_heads * mixer.head_dim
+    conv = (d_inner + 2 * mixer.n_groups * mixer.state_size) * (mixer.conv_kernel - 1)
+    ssm = d_inner * mixer.state_size
+    assert costs.state_bytes_per_seq == mixer.num_hidden_layers * (conv + ssm) * 2
