@@ -4,13 +4,15 @@ checkpoint tensors load the same parameters."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.kernels import get_ops
-from ssmserve.layers.moe import FusedMoE, Routing
+from ssmserve.layers.moe import FusedMoE, Routing, select_experts
 
 H, I, E, SHARED = 10, 7, 4, 5  # noqa: E741
 
@@ -134,3 +136,39 @@ def test_wrong_expert_shapes_and_too_many_ranks_are_refused():
             tp=TensorParallel(),
             activation="tanh",
         )
+
+
+def test_float32_router_and_correction_bias_reach_the_experts():
+    captured = {}
+
+    def fused_moe(x, w13, w2, weights, ids, **kw):
+        captured.update(weights=weights, ids=ids)
+        return torch.zeros_like(x)
+
+    ops = dataclasses.replace(get_ops("torch", "cpu"), fused_moe=fused_moe)
+    routing = Routing(top_k=2, scoring="sigmoid", renormalize=True, routed_scaling_factor=2.0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layer = FusedMoE(
+            hidden_size=H,
+            intermediate_size=I,
+            num_experts=E,
+            routing=routing,
+            ops=ops,
+            tp=TensorParallel(),
+            correction_bias=True,
+            router_in_float32=True,
+        )
+    finally:
+        torch.set_default_dtype(default)
+    gen = torch.Generator().manual_seed(7)
+    layer.router.weight.data.copy_(torch.randn(E, H, generator=gen))
+    layer.router.e_score_correction_bias.data.copy_(torch.tensor([0.0, 0.5, 0.0, -0.5]))
+    x = torch.randn(6, H, generator=gen).to(torch.bfloat16)
+    layer(x)
+    logits = F.linear(x.float(), layer.router.weight.float())
+    bias = layer.router.e_score_correction_bias
+    weights, ids = select_experts(logits, routing, bias)
+    assert torch.equal(captured["ids"], ids) and torch.equal(captured["weights"], weights)
+    assert captured["weights"].dtype == torch.float32
