@@ -19,10 +19,13 @@ does not depend on what else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from ssmserve.kernels._common import check_shape, interpret_mode, lazy_jit, tl
+from ssmserve.kernels._common import check_shape, interpret_mode, launch_config, lazy_jit, tl
 
 # Expert activations: name -> the Triton kernels' code.
 ACTIVATIONS = {"silu": 0, "gelu": 1, "relu2": 2}
@@ -273,10 +276,10 @@ def _moe_down_kernel(
     tl.store(out_ptrs, acc, mask=row_ok[:, None] & n_ok[None, :])
 
 
-# Launch parameters by the mean number of rows per expert (T*K / E): up to the first
-# field, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Decode (a few rows per
-# expert) streams weights through narrow tiles; prefill uses wide tiles. Not tuned yet:
-# benchmarks/kernels/bench_moe.py measures them against the weight-read floor.
+# Defaults by the mean number of rows per expert (T*K / E), up to the first field:
+# (block_m, block_n, block_k, num_warps, num_stages). Decode (a few rows per expert)
+# streams weights through narrow tiles; prefill uses wide tiles. Not measured yet:
+# benchmarks/kernels/bench_moe.py sweeps them against the weight-read floor.
 _LAUNCH_TABLE: tuple[tuple[float, int, int, int, int, int], ...] = (
     (16, 16, 64, 128, 4, 3),
     (64, 32, 64, 64, 4, 3),
@@ -284,9 +287,19 @@ _LAUNCH_TABLE: tuple[tuple[float, int, int, int, int, int], ...] = (
 )
 
 
-def _launch_config(num_rows: int, num_experts: int) -> tuple[int, int, int, int, int]:
+def moe_launch_config(
+    num_rows: int, num_experts: int, config: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Launch parameters for `num_rows` (T*K) assignments over `num_experts`, `config`
+    overriding the defaults (benchmarks/kernels/bench_moe.py sweeps them).
+
+    block_m: assignment rows per block (each block belongs to one expert); block_n:
+        output channels per program; block_k: reduction step; num_warps, num_stages.
+    """
     per_expert = num_rows / num_experts
-    return next(tuple(cfg) for limit, *cfg in _LAUNCH_TABLE if per_expert <= limit)
+    row = next(r for r in _LAUNCH_TABLE if per_expert <= r[0])
+    keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+    return launch_config("fused_moe", dict(zip(keys, row[1:], strict=True)), config)
 
 
 def fused_moe_triton(
@@ -298,20 +311,24 @@ def fused_moe_triton(
     *,
     activation: str = "silu",
     gated: bool = True,
+    config: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
-    """Triton twin of `fused_moe_ref` (same arguments, shapes and result)."""
+    """Triton twin of `fused_moe_ref` (same arguments, shapes and result). No host sync:
+    safe under CUDA graphs. `config` overrides launch parameters (see
+    `moe_launch_config`; benchmarks and tests only)."""
     T, H, E, I, K = _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, gated)
     if T == 0:
         return torch.zeros_like(x)
     num_rows = T * K
-    block_m, block_n, block_k, num_warps, num_stages = _launch_config(num_rows, E)
+    cfg = moe_launch_config(num_rows, E, config)
+    block_m, block_n, block_k = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     if x.dtype == torch.float32 or interpret_mode():
         # The interpreter mis-computes 16-bit tl.dot; float32 there is also more exact.
         dot_dtype, precision = tl.float32, "ieee"
     else:
         dot_dtype = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
         precision = "tf32"
-    launch = dict(num_warps=num_warps, num_stages=num_stages)
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     sorted_rows, block_expert = align_by_expert(topk_ids, E, block_m)
     num_blocks = block_expert.shape[0]
     inter = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)

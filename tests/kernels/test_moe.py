@@ -10,7 +10,12 @@ import torch
 from kernel_testing import assert_close, randn, seeded
 from triton_testing import DEVICE, requires_triton
 
-from ssmserve.kernels.moe import align_by_expert, fused_moe_ref, fused_moe_triton
+from ssmserve.kernels.moe import (
+    align_by_expert,
+    fused_moe_ref,
+    fused_moe_triton,
+    moe_launch_config,
+)
 from ssmserve.layers.moe import Routing, select_experts
 
 
@@ -208,3 +213,19 @@ def test_triton_with_strided_input_and_no_tokens():
     assert_close(fused_moe_triton(*args), fused_moe_ref(*args))
     x0, w13d, w2d, w0, ids0 = args
     assert fused_moe_triton(x0[:0], w13d, w2d, w0[:0], ids0[:0]).shape == (0, 16)
+
+
+@requires_triton
+def test_triton_launch_parameters_are_arguments_and_are_validated():
+    gen = seeded(6)
+    w13, w2 = expert_weights(4, 20, 12, True, gen)
+    weights, ids = select_experts(randn(9, 4, gen=gen), Routing(top_k=2))
+    args = [t.to(DEVICE) for t in (randn(9, 20, gen=gen), w13, w2, weights, ids)]
+    ref = fused_moe_ref(*args)
+    pinned = {"block_m": 32, "block_n": 16, "block_k": 16, "num_warps": 2}
+    assert moe_launch_config(18, 4, pinned) == {**moe_launch_config(18, 4), **pinned}
+    assert_close(fused_moe_triton(*args, config=pinned), ref)
+    with pytest.raises(ValueError, match="unknown launch parameter"):
+        fused_moe_triton(*args, config={"block_h": 16})
+    with pytest.raises(ValueError, match="block_m must be a power of two"):
+        fused_moe_triton(*args, config={"block_m": 24})

@@ -19,6 +19,7 @@ from tests.family_checks import (
     check_tensor_parallel,
 )
 from tests.tiny_models import make_tiny_checkpoint
+from tests.triton_interpreter import interpreter_mode
 
 PROMPTS = ["def hello(name):\n    return", "import os", "x"]
 VARIANTS = {
@@ -87,14 +88,15 @@ def test_unsupported_position_embedding_is_refused():
         GraniteMoeHybridForCausalLM(cfg, ctx)
 
 
-def test_triton_kernels_match_the_torch_twins(checkpoint, monkeypatch):
+def test_triton_kernels_match_the_torch_twins(checkpoint):
     pytest.importorskip("triton", reason="triton is not installed")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     path = checkpoint("moe_rope")
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0)
     ref = LLM(path, device="cpu", kernel_backend="torch").generate(PROMPTS[:2], params)
-    llm = LLM(path, device="cpu", kernel_backend="triton", max_num_batched_tokens=5)
-    for a, b in zip(ref, llm.generate(PROMPTS[:2], params), strict=True):
+    with interpreter_mode():
+        llm = LLM(path, device="cpu", kernel_backend="triton", max_num_batched_tokens=5)
+        got = llm.generate(PROMPTS[:2], params)
+    for a, b in zip(ref, got, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for i, t in enumerate(a.outputs[0].token_ids):
             lp_a, lp_b = a.outputs[0].logprobs[i][t].logprob, b.outputs[0].logprobs[i][t].logprob
