@@ -13,8 +13,9 @@ The Triton path sorts the (token, k) assignments by expert on the device (a sort
 few cumulative sums, no host sync, shapes fixed by T, K and E so CUDA graphs replay it)
 into blocks of BLOCK_M rows that all belong to one expert, then runs two grouped GEMMs:
 gate/up with the activation and gating fused, and down with the routing weight fused.
-Each assignment's output row is summed over k in a fixed order, so a token's result
-does not depend on what else is in the batch.
+The K output rows of a token are summed in a fixed order, with no atomics: results are
+the same run to run, and within a launch configuration a token's result does not depend
+on which other tokens share its expert's blocks.
 """
 
 from __future__ import annotations
