@@ -167,6 +167,11 @@ class EngineConfig:
     )
     gpu_memory_utilization: float = _flag(0.9, "fraction of each GPU's memory the engine may use")
     enforce_eager: bool = _flag(False, "disable CUDA graphs")
+    overlap_steps: bool = _flag(
+        True,
+        "plan each step while the previous one runs and build outputs while the next one "
+        "runs (--no-overlap-steps runs steps one after another)",
+    )
     tensor_parallel_size: int = _flag(
         1, "GPUs (or CPU processes) the model is split across", aliases=("-tp",)
     )
@@ -236,7 +241,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default = f.default
         help_text = meta.pop("help")
         if f.type in ("bool", bool):
-            g.add_argument(*flags, action="store_true", help=help_text)
+            g.add_argument(
+                *flags, action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
             continue
         kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
         shown = "" if default is None or "default" in help_text else f" (default: {default})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -12,7 +13,7 @@ from tqdm.auto import tqdm
 from ssmserve.config import EngineConfig
 from ssmserve.engine.engine import LLMEngine, PromptType
 from ssmserve.outputs import RequestOutput
-from ssmserve.sampling_params import SamplingParams
+from ssmserve.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -95,7 +96,9 @@ class LLM:
         added = []
         try:
             for rid, prompt, p in zip(ids, prompts, params):
-                engine.add_request(rid, prompt, p)
+                # Only the final output is read: no per-step outputs to build.
+                final = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                engine.add_request(rid, prompt, final)
                 added.append(rid)
         except Exception:
             engine.abort_request(added)  # one bad prompt must not leave the others queued

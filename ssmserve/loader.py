@@ -45,11 +45,14 @@ def load_weights(model: CausalLM, path: str) -> None:
     this rank's shard (checkpoint names map to parameters by the family's `name_rules`).
 
     Raises with the names when the checkpoint lacks parameters or has tensors the model
-    does not know: a silent partial load would give plausible-looking garbage.
+    does not know: a silent partial load would give plausible-looking garbage. Two
+    tensors that load into the same parameter (copies of weights a model shares across
+    depths) must be equal.
     """
     params = dict(model.named_parameters())
     needed = {name: set(getattr(p, "shard_ids", (None,))) for name, p in params.items()}
     loaded: dict[str, set[int | None]] = {}
+    first_key: dict[tuple[str, int | None], str] = {}
     unexpected: list[str] = []
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt") as f:
@@ -64,6 +67,8 @@ def load_weights(model: CausalLM, path: str) -> None:
                     unexpected.append(key)
                     continue
                 loader = getattr(param, "weight_loader", load_replicated)
+                earlier = first_key.setdefault((name, shard), key)
+                before = param.detach().clone() if earlier != key else None
                 try:
                     loader(param, f.get_tensor(key), shard)
                 except ValueError as exc:
@@ -71,6 +76,12 @@ def load_weights(model: CausalLM, path: str) -> None:
                         f"weight {key} in {file} does not fit the model built from "
                         f"config.json: {exc}"
                     ) from exc
+                if before is not None and not torch.equal(before, param):
+                    raise ValueError(
+                        f"checkpoint {path} holds {earlier} and {key}, which load into the "
+                        f"same parameter ({name}), with different values; the model shares "
+                        "that weight, so the checkpoint should hold one value for it"
+                    )
                 got = loaded.setdefault(name, set())
                 got.update(needed[name] if shard is None else {shard})
     missing = sorted(

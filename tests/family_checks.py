@@ -1,7 +1,7 @@
 """Checks every model family passes, against independent references (CPU, float32).
 
 A family's test file builds its tiny checkpoints (tests/tiny_models.py style: fixed
-seed, `save_pretrained`) and calls these:
+seed, `save_pretrained`; `tiny_checkpoints` in a module-scoped fixture) and calls these:
 
 - `check_matches_transformers`: greedy tokens equal a greedy loop over transformers'
   *full forward* (no KV/state cache, so HF's cached decode path cannot hide or add
@@ -10,17 +10,35 @@ seed, `save_pretrained`) and calls these:
 - `check_engine_invariants`: any token budget down to 1, batch composition and arrival
   order, forced preemption (attention models), abort; nothing allocated afterwards.
 - `check_tensor_parallel`: TP=size equals TP=1 (tokens, logprobs within float32 noise).
+- `check_triton_matches_torch`: the Triton kernels (under TRITON_INTERPRET=1 on CPU) give
+  the PyTorch twins' tokens and logprobs, with chunked prefill and decode in a batch.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 
 from ssmserve import LLM, SamplingParams
+from tests.tiny_models import make_tiny_checkpoint
 
 LOGPROB_TOL = 1e-4
+
+
+def tiny_checkpoints(tmp_path_factory, family: str, variants: dict[str, dict]) -> Callable:
+    """checkpoint(name) -> folder of the tiny `family` checkpoint with the config overrides
+    variants[name], built on first use (seed 0)."""
+    built: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            path = str(tmp_path_factory.mktemp(f"{family}_{name}"))
+            built[name] = make_tiny_checkpoint(path, family, seed=0, **variants[name])
+        return built[name]
+
+    return get
 
 
 def hf_model(path: str):
@@ -138,3 +156,16 @@ def check_tensor_parallel(path: str, prompts: list[str], size: int = 2) -> None:
         assert_idle(llm)
     finally:
         llm.llm_engine.shutdown()
+
+
+def check_triton_matches_torch(path: str, prompts: list[str], max_tokens: int = 4) -> None:
+    """Set TRITON_INTERPRET=1 first on CPU (the interpreter is slow: keep this short)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0, ignore_eos=True)
+    ref = LLM(path, device="cpu", kernel_backend="torch").generate(prompts, params)
+    llm = LLM(path, device="cpu", kernel_backend="triton", max_num_batched_tokens=5)
+    for r, g in zip(ref, llm.generate(prompts, params), strict=True):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        for i, t in enumerate(r.outputs[0].token_ids):
+            a, b = r.outputs[0].logprobs[i][t].logprob, g.outputs[0].logprobs[i][t].logprob
+            assert abs(a - b) < LOGPROB_TOL, (i, a, b)
+    assert_idle(llm)

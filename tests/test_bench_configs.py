@@ -28,6 +28,9 @@ PUBLISHED = {
     "mamba2-2.7b": ("Mamba2ForCausalLM", 2.7e9),
     "mamba-2.8b": ("MambaForCausalLM", 2.8e9),
     "codestral-mamba-7b": ("Mamba2ForCausalLM", 7.3e9),
+    "zamba2-7b": ("Zamba2ForCausalLM", 7.4e9),
+    "nemotron-h-8b": ("NemotronHForCausalLM", 8.1e9),
+    "falcon-h1-7b": ("FalconH1ForCausalLM", 7.6e9),
     "jamba-mini-1.7": ("JambaForCausalLM", 52e9),
     "granite-4.0-h-tiny": ("GraniteMoeHybridForCausalLM", 7e9),
 }

@@ -198,3 +198,56 @@ def test_bad_prompts_are_rejected_and_leave_nothing_behind(checkpoint):
         llm.generate(["fine", {"prompt_token_ids": [1, 10**6]}])
     assert_idle(llm.stats())
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("family", ["bamba", "mamba", "llama"])
+def test_overlapped_steps_equal_one_step_at_a_time(checkpoint, family):
+    """Planning step n+1 while step n runs (and building outputs while n+1 runs) changes
+    nothing a request sees: tokens, text, logprobs, finish reasons, stop strings, seeded
+    n > 1 sampling, under chunked prefill and (attention models) preemption."""
+    path = checkpoint(family)
+    tok = make_llm(path).get_tokenizer()
+    prompts = ["def hello(name):\n    return", "import os", "x", "class Stack:\n    def push"]
+    params = [
+        SamplingParams(max_tokens=14, temperature=0, logprobs=2, prompt_logprobs=1),
+        SamplingParams(max_tokens=12, temperature=0.9, seed=3, n=2, logprobs=0),
+        SamplingParams(max_tokens=10, temperature=0, stop=[tok.decode([40, 41])[-1:] or "e"]),
+        SamplingParams(max_tokens=9, temperature=0.7, seed=11, presence_penalty=0.5),
+    ]
+    kv = dict(num_kv_blocks=10, block_size=4) if family != "mamba" else {}
+    runs = []
+    for overlap in (False, True):
+        llm = make_llm(path, overlap_steps=overlap, max_num_batched_tokens=5, **kv)
+        runs.append(llm.generate(prompts, params))
+        assert_idle(llm.stats())
+    for sync, over in zip(*runs, strict=True):
+        for a, b in zip(sync.outputs, over.outputs, strict=True):
+            assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
+                b.token_ids,
+                b.text,
+                b.finish_reason,
+                b.stop_reason,
+            )
+            # Batches are composed differently, so float32 sums may round differently.
+            for pa, pb in zip(a.logprobs or [], b.logprobs or [], strict=True):
+                assert pa.keys() == pb.keys()
+                assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-5 for t in pa)
+        if sync.prompt_logprobs is not None:
+            for pa, pb in zip(sync.prompt_logprobs[1:], over.prompt_logprobs[1:], strict=True):
+                assert pa.keys() == pb.keys()
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_still_stops(checkpoint):
+    llm = make_llm(checkpoint("llama"))
+    free = llm.generate(["import os"], SamplingParams(max_tokens=6, temperature=0))[0]
+    text, last = free.outputs[0].text, free.outputs[0].token_ids[-1]
+    tail = llm.get_tokenizer().decode([last])
+    assert tail and text.endswith(tail)
+    # The shortest end of the last token's text that occurs nowhere earlier: the stop
+    # string is complete only once the sixth and last allowed token is out.
+    stop = next(tail[-j:] for j in range(1, len(tail) + 1) if text.find(tail[-j:]) == len(text) - j)
+    out = llm.generate(["import os"], SamplingParams(max_tokens=6, temperature=0, stop=[stop]))
+    got = out[0].outputs[0]
+    assert got.token_ids == free.outputs[0].token_ids
+    assert got.finish_reason == "stop" and got.stop_reason == stop
+    assert got.text == text[: len(text) - len(stop)]

@@ -21,7 +21,7 @@ def make(budget=8, max_seqs=4, blocks=12, block_size=4, slots=4, limit=10_000):
 
 
 def check_invariants(s: Scheduler, plan) -> None:
-    assert plan.num_batched_tokens <= s.max_num_batched_tokens
+    assert sum(c.num_new_tokens for c in plan.chunks) <= s.max_num_batched_tokens
     assert len(s.running) <= s.max_num_seqs
     seen_blocks: set[int] = set()
     slots = set()
@@ -42,7 +42,8 @@ def check_invariants(s: Scheduler, plan) -> None:
         assert s.state_pool.num_used == len(slots)
     for chunk in plan.chunks:
         r = chunk.request
-        assert chunk.num_new_tokens >= 1 and chunk.start == r.num_computed_tokens
+        # Counters advance when a chunk is planned.
+        assert chunk.num_new_tokens >= 1 and chunk.end == r.num_computed_tokens
         if s.block_pool is not None:
             assert len(r.block_ids) * s.block_pool.block_size >= chunk.end
 
@@ -55,7 +56,7 @@ def run(s: Scheduler, requests, abort_at=None, max_steps=2_000):
         plan = s.schedule()
         check_invariants(s, plan)
         assert not plan.is_empty, "deadlock: work left but nothing scheduled"
-        sampled = {c.request.request_id: 7 for c in plan.chunks if c.completes_prompt}
+        sampled = {c.request.request_id: 7 for c in plan.chunks if c.samples}
         s.update(plan, sampled)
         if abort_at and step in abort_at and s.requests:
             s.abort_request(sorted(s.requests)[0])

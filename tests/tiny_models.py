@@ -131,6 +131,77 @@ def _hf_config(family: str, vocab_size: int, eos: int, **overrides):
             max_position_embeddings=4096,
         )
         cls = tf.LlamaConfig
+    elif family == "zamba2":
+        cfg = dict(
+            hidden_size=42,
+            intermediate_size=50,
+            num_hidden_layers=7,
+            layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid", "mamba", "hybrid"],
+            num_mem_blocks=2,
+            num_attention_heads=6,
+            num_key_value_heads=6,
+            use_shared_attention_adapter=True,
+            adapter_rank=5,
+            use_mem_rope=True,
+            n_mamba_heads=6,
+            mamba_expand=2,
+            mamba_ngroups=2,
+            mamba_d_state=6,
+            mamba_d_conv=4,
+            chunk_size=16,
+            tie_word_embeddings=True,
+            max_position_embeddings=4096,
+        )
+        cls = tf.Zamba2Config
+    elif family == "nemotron_h":
+        cfg = dict(
+            hidden_size=48,
+            layers_block_type=["mamba", "mlp", "attention", "mamba", "mlp"],
+            num_attention_heads=6,
+            num_key_value_heads=1,
+            head_dim=12,
+            intermediate_size=72,
+            mamba_num_heads=6,
+            mamba_head_dim=10,
+            n_groups=3,
+            ssm_state_size=12,
+            conv_kernel=4,
+            chunk_size=16,
+            tie_word_embeddings=False,
+            max_position_embeddings=4096,
+        )
+        cls = tf.NemotronHConfig
+    elif family == "falcon_h1":
+        cfg = dict(
+            hidden_size=40,
+            intermediate_size=56,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=8,
+            mamba_d_ssm=60,
+            mamba_n_heads=6,
+            mamba_d_head=10,
+            mamba_n_groups=3,
+            mamba_d_state=12,
+            mamba_d_conv=4,
+            mamba_chunk_size=16,
+            mamba_rms_norm=True,
+            mamba_norm_before_gate=False,
+            tie_word_embeddings=False,
+            max_position_embeddings=4096,
+            # µP multipliers away from 1 so that a misplaced one changes the output.
+            embedding_multiplier=1.7,
+            lm_head_multiplier=0.6,
+            key_multiplier=0.7,
+            attention_in_multiplier=1.3,
+            attention_out_multiplier=0.8,
+            ssm_in_multiplier=0.9,
+            ssm_out_multiplier=1.2,
+            mlp_multipliers=[1.4, 0.7],
+            ssm_multipliers=[0.8, 1.3, 0.7, 1.2, 0.6],
+        )
+        cls = tf.FalconH1Config
     elif family == "jamba":
         # transformers runs experts through torch._grouped_mm, which needs hidden and
         # intermediate sizes that are multiples of 4 in float32 (16-byte strides).
@@ -226,6 +297,9 @@ def make_tiny_checkpoint(path: str, family: str = "bamba", seed: int = 0, **over
         "mamba": tf.MambaForCausalLM,
         "falcon_mamba": tf.FalconMambaForCausalLM,
         "llama": tf.LlamaForCausalLM,
+        "zamba2": tf.Zamba2ForCausalLM,
+        "nemotron_h": tf.NemotronHForCausalLM,
+        "falcon_h1": tf.FalconH1ForCausalLM,
         "jamba": tf.JambaForCausalLM,
         "granitemoehybrid": tf.GraniteMoeHybridForCausalLM,
     }[family]

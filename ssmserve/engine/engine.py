@@ -27,12 +27,12 @@ from ssmserve.distributed.executor import (
     torchrun_rank,
 )
 from ssmserve.distributed.parallel import TensorParallel
-from ssmserve.engine.detokenizer import IncrementalDetokenizer, find_stop
 from ssmserve.engine.model_runner import ModelRunner, order_chunks, step_inputs
-from ssmserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
-from ssmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ssmserve.engine.output_processor import Group, OutputProcessor
+from ssmserve.engine.sampler import PendingSample, Sampler, SamplerOutput, SamplingRow
+from ssmserve.outputs import RequestOutput
 from ssmserve.sampling_params import SamplingParams
-from ssmserve.scheduler import Request, RequestStatus, ScheduledChunk, Scheduler
+from ssmserve.scheduler import Request, RequestStatus, ScheduledChunk, Scheduler, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -42,36 +42,6 @@ DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
 
 class InvalidRequestError(ValueError):
     """A request the engine cannot take; the message says what to change."""
-
-
-@dataclass
-class _Sample:
-    """One of a request's n samples: a scheduler Request plus its output-side state."""
-
-    index: int
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[dict[int, Logprob]] | None
-    cumulative_logprob: float = 0.0
-    finish_reason: str | None = None
-    text_end: int | None = None  # where a stop string cut the text
-
-
-@dataclass
-class _Group:
-    """A user request: prompt, params, and its n samples."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    samples: list[_Sample] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -141,11 +111,10 @@ class LLMEngine:
             self.executor.shutdown()
             raise
         self.sampler = Sampler()
-        self._groups: dict[str, _Group] = {}
-        self._owner: dict[str, tuple[_Group, _Sample]] = {}
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._in_flight: _Step | None = None
         self._generator = torch.Generator(self.device).manual_seed(config.seed)
         self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
 
     # -- construction ---------------------------------------------------------------
 
@@ -221,7 +190,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
         """Queue a request. Raises InvalidRequestError (and keeps nothing) if it can't run."""
-        if request_id in self._groups:
+        if request_id in self.outputs.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
         if not ids:
@@ -248,7 +217,7 @@ class LLMEngine:
             eos_token_ids=() if params.ignore_eos else self.model_config.eos_token_ids,
         )
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
-        group = _Group(request_id, text, ids, params)
+        group = Group(request_id, text, ids, params)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         for i in range(params.n):
@@ -260,34 +229,26 @@ class LLMEngine:
                 eos_token_ids=params.eos_token_ids,
                 stop_token_ids=tuple(params.stop_token_ids),
             )
-            sample = _Sample(
-                index=i,
-                request=request,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
-                logprobs=[] if params.logprobs is not None else None,
-            )
-            group.samples.append(sample)
+            group.samples.append(self.outputs.new_sample(i, request, params))
         for sample in group.samples:
             self.scheduler.add_request(sample.request)
-            self._owner[sample.request.request_id] = (group, sample)
-        self._groups[request_id] = group
+        self.outputs.add(group)
         self.prompt_tokens_total += len(ids)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests wherever they are; their blocks and slots are free at once."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            group = self._groups.pop(rid, None)
+            group = self.outputs.remove(rid)
             if group is None:
                 continue
             for sample in group.samples:
-                self._owner.pop(sample.request.request_id, None)
                 if sample.finish_reason is None:
                     self.scheduler.abort_request(sample.request.request_id)
                     sample.finish_reason = "abort"
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self.outputs.groups)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -299,53 +260,78 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens_total": self.prompt_tokens_total,
-            "generation_tokens_total": self.generation_tokens_total,
+            "generation_tokens_total": self.outputs.generation_tokens_total,
         }
 
     # -- the step ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and report requests that advanced."""
+        """Advance generation by one step; return the outputs of requests that advanced.
+
+        With `overlap_steps` (the default) the engine plans step n+1 while the GPU runs
+        step n, launches it as soon as n's tokens are back, and builds n's outputs while
+        n+1 runs: each call returns the outputs of the step before. Without it, each call
+        runs one step start to finish. Both give every request the same output.
+        """
+        plan = self._plan()
+        if not self.config.overlap_steps:
+            if plan is None:
+                return []
+            step = self._launch(plan)
+            if step is None:
+                return []
+            self._collect(step)
+            return self._finish(step)
+        done, self._in_flight = self._in_flight, None
+        if done is not None:
+            self._collect(done)
+        if plan is not None:
+            self._in_flight = self._launch(plan)
+        return self._finish(done) if done is not None else []
+
+    def _plan(self) -> StepPlan | None:
         plan = self.scheduler.schedule()
-        if plan.is_empty:
-            if self.scheduler.waiting and not self.scheduler.running:
-                # Admission checks make this unreachable; fail loudly rather than spin.
-                raise RuntimeError(
-                    f"the scheduler cannot start {self.scheduler.waiting[0]} with an empty "
-                    "engine; this is a bug, please report it"
-                )
-            return []
-        now = time.time()
-        chunks = order_chunks(plan.chunks)
+        if not plan.is_empty:
+            return plan
+        if self.scheduler.waiting and not self.scheduler.running and self._in_flight is None:
+            # Admission checks make this unreachable; fail loudly rather than spin.
+            raise RuntimeError(
+                f"the scheduler cannot start {self.scheduler.waiting[0]} with an empty "
+                "engine; this is a bug, please report it"
+            )
+        return None
+
+    def _launch(self, plan: StepPlan) -> _Step | None:
+        """Queue the forward and the sampling of a plan's chunks that are still current
+        (a request may have finished or been preempted since the plan was made)."""
+        chunks = order_chunks([c for c in plan.chunks if c.is_current])
+        if not chunks:
+            return None
+        step = _Step(StepPlan(chunks, plan.preempted), time.time())
         rows: list[int] = []
-        sample_chunks: list[tuple[ScheduledChunk, int]] = []
-        prompt_spans: list[tuple[_Group, int, int, int]] = []  # group, first pos, count, row
         offset = 0
         for chunk in chunks:
-            group, sample = self._owner[chunk.request.request_id]
+            group, sample = self.outputs.owner[chunk.request.request_id]
             if group.metrics.first_scheduled_time is None:
-                group.metrics.first_scheduled_time = now
+                group.metrics.first_scheduled_time = step.time
             pl = group.prompt_logprobs
             if pl is not None and sample.index == 0:
                 first = max(chunk.start, len(pl) - 1)
                 last = min(chunk.end, len(group.prompt_token_ids) - 1)
                 if last > first:
-                    prompt_spans.append((group, first, last - first, len(rows)))
+                    step.prompt_spans.append((group, first, last - first, len(rows)))
                     rows.extend(offset + p - chunk.start for p in range(first, last))
-            if chunk.completes_prompt:
-                sample_chunks.append((chunk, len(rows)))
+            if chunk.samples:
+                step.row_of[chunk.request.request_id] = len(step.sampling)
+                step.sampling.append((chunk, len(rows)))
                 rows.append(offset + chunk.num_new_tokens - 1)
             offset += chunk.num_new_tokens
-        inputs = step_inputs(chunks, rows, self.config.block_size)
-        logits = self.executor.execute(inputs.pack())
-
-        sampled: dict[str, int] = {}
-        sampler_out = None
-        if sample_chunks:
-            sample_rows = []
-            for chunk, _ in sample_chunks:
-                group, sample = self._owner[chunk.request.request_id]
-                sample_rows.append(
+        logits = self.executor.execute(step_inputs(chunks, rows, self.config.block_size).pack())
+        if step.sampling:
+            sampling_rows = []
+            for chunk, _ in step.sampling:
+                group, sample = self.outputs.owner[chunk.request.request_id]
+                sampling_rows.append(
                     SamplingRow(
                         group.params,
                         sample.index,
@@ -353,139 +339,91 @@ class LLMEngine:
                         chunk.request.output_token_ids,
                     )
                 )
-            logits_rows = [r for _, r in sample_chunks]
-            sampler_out = self.sampler(logits, sample_rows, self._generator, logits_rows)
-            for i, (chunk, _) in enumerate(sample_chunks):
-                sampled[chunk.request.request_id] = sampler_out.token_ids[i]
-        if prompt_spans:
-            self._record_prompt_logprobs(logits, prompt_spans)
-
-        advanced = self.scheduler.update(plan, sampled)
-        touched: dict[str, _Group] = {}
-        positions = {c.request.request_id: i for i, (c, _) in enumerate(sample_chunks)}
-        for request in advanced:
-            group, sample = self._owner[request.request_id]
-            self._on_token(group, sample, sampler_out, positions[request.request_id], now)
-            touched[group.request_id] = group
-        for group, *_ in prompt_spans:
-            touched.setdefault(group.request_id, group)
-        outputs = []
-        for group in touched.values():
-            if group.request_id not in self._groups:
-                continue
-            outputs.append(self._make_output(group))
-            if group.finished:
-                self._release_group(group)
-        return outputs
-
-    def _on_token(
-        self, group: _Group, sample: _Sample, out: SamplerOutput, i: int, now: float
-    ) -> None:
-        request = sample.request
-        token = request.output_token_ids[-1]
-        self.generation_tokens_total += 1
-        if group.metrics.first_token_time is None:
-            group.metrics.first_token_time = now
-        group.metrics.last_token_time = now
-        lp = out.logprobs[i]
-        sample.cumulative_logprob += lp
-        if sample.logprobs is not None:
-            sample.logprobs.append(
-                self._logprob_entry(token, lp, out.ranks[i], out.top_ids[i], out.top_logprobs[i])
+            step.pending = self.sampler.launch(
+                logits, sampling_rows, self._generator, [r for _, r in step.sampling]
             )
-        delta = sample.detokenizer.add(token)
-        stops = group.params.stop
-        if stops and not request.is_finished and delta:
-            hit = find_stop(sample.detokenizer.text, len(delta), stops)
-            if hit is not None:
-                idx, stop = hit
-                sample.text_end = (
-                    idx + len(stop) if group.params.include_stop_str_in_output else idx
-                )
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop)
+        if step.prompt_spans:
+            step.prompt_logprobs = _prompt_logprobs(logits, step.prompt_spans)
+        return step
+
+    def _collect(self, step: _Step) -> None:
+        """Wait for a step's tokens and apply them: counters, token and string stops."""
+        if step.pending is None:
+            return
+        step.sampled = step.pending.result()
+        sampled = {
+            chunk.request.request_id: t
+            for (chunk, _), t in zip(step.sampling, step.sampled.token_ids, strict=True)
+        }
+        step.advanced = self.scheduler.update(step.plan, sampled)
+        self.outputs.record(step.advanced, step.sampled, step.row_of, self._stop, step.time)
+
+    def _stop(self, request: Request, stop: str) -> None:
         if request.is_finished:
-            sample.finish_reason = request.status.value
-            if group.finished:
-                group.metrics.finished_time = now
+            # The length limit ended it with the same token that completed the stop.
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        else:
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, stop)
+
+    def _finish(self, step: _Step) -> list[RequestOutput]:
+        """The step's RequestOutputs (built while the next step runs)."""
+        touched = {self.outputs.owner[r.request_id][0].request_id: None for r in step.advanced}
+        if step.prompt_logprobs is not None:
+            values, at = step.prompt_logprobs.tolist(), 0
+            for group, first, count, _ in step.prompt_spans:
+                size = count * (2 + 2 * (group.params.prompt_logprobs or 0))
+                self._record_prompt_logprobs(group, first, count, values[at : at + size])
+                touched.setdefault(group.request_id, None)
+                at += size
+        return self.outputs.outputs(list(touched), time.time())
 
     def _record_prompt_logprobs(
-        self, logits: torch.Tensor, spans: list[tuple[_Group, int, int, int]]
+        self, group: Group, first: int, count: int, values: list[float]
     ) -> None:
-        for group, first, count, row in spans:
-            lps = logits[row : row + count].log_softmax(-1)
-            targets = torch.tensor(
-                group.prompt_token_ids[first + 1 : first + 1 + count], device=lps.device
+        """values: the span's [chosen, rank, top ids..., top logprobs...] rows, flattened."""
+        k = group.params.prompt_logprobs or 0
+        width = 2 + 2 * k
+        for j in range(count):
+            row = values[j * width : (j + 1) * width]
+            token = group.prompt_token_ids[first + 1 + j]
+            top_ids = [int(t) for t in row[2 : 2 + k]]
+            group.prompt_logprobs.append(
+                self.outputs.logprob_entry(token, row[0], int(row[1]), top_ids, row[2 + k :])
             )
-            chosen = lps.gather(1, targets[:, None]).squeeze(1)
-            ranks = (lps > chosen[:, None]).sum(-1) + 1
-            k = group.params.prompt_logprobs or 0
-            top = lps.topk(k, dim=-1) if k else None
-            for j in range(count):
-                alternatives = (
-                    (top.indices[j].tolist(), top.values[j].tolist())
-                    if top is not None
-                    else ([], [])
-                )
-                group.prompt_logprobs.append(
-                    self._logprob_entry(
-                        int(targets[j]), float(chosen[j]), int(ranks[j]), *alternatives
-                    )
-                )
 
-    def _logprob_entry(
-        self,
-        token_id: int,
-        logprob: float,
-        rank: int,
-        top_ids: list[int],
-        top_logprobs: list[float],
-    ) -> dict[int, Logprob]:
-        """One position's logprobs: the actual token, then the top alternatives by rank."""
-        entry = {token_id: Logprob(logprob, rank, self._decode_one(token_id))}
-        for r, (tid, lp) in enumerate(zip(top_ids, top_logprobs), 1):
-            entry.setdefault(tid, Logprob(lp, r, self._decode_one(tid)))
-        return entry
 
-    def _decode_one(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+@dataclass
+class _Step:
+    """A launched step: its plan, where its sampling rows are, and what came back."""
 
-    def _visible_text(self, group: _Group, sample: _Sample) -> str:
-        text = sample.detokenizer.text
-        if sample.text_end is not None:
-            return text[: sample.text_end]
-        if sample.finish_reason is None and group.params.stop:
-            # Hold back what could still turn out to be the start of a stop string.
-            hold = max(len(s) for s in group.params.stop) - 1
-            return text[: len(text) - hold] if hold else text
-        return text
+    plan: StepPlan
+    time: float
+    sampling: list[tuple[ScheduledChunk, int]] = field(default_factory=list)  # chunk, row
+    row_of: dict[str, int] = field(default_factory=dict)  # request id -> sampling row
+    prompt_spans: list[tuple[Group, int, int, int]] = field(default_factory=list)
+    pending: PendingSample | None = None
+    prompt_logprobs: torch.Tensor | None = None
+    sampled: SamplerOutput | None = None
+    advanced: list[Request] = field(default_factory=list)
 
-    def _make_output(self, group: _Group) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=s.index,
-                text=self._visible_text(group, s),
-                token_ids=list(s.request.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=s.logprobs,
-                finish_reason=s.finish_reason,
-                stop_reason=s.request.stop_reason,
-            )
-            for s in group.samples
-        ]
-        prompt_done = group.prompt_logprobs is None or len(group.prompt_logprobs) >= len(
-            group.prompt_token_ids
+
+def _prompt_logprobs(
+    logits: torch.Tensor, spans: list[tuple[Group, int, int, int]]
+) -> torch.Tensor:
+    """Per prompt position of each span: the next prompt token's logprob and rank and the
+    top alternatives, flattened into one tensor (read on the host later)."""
+    pieces = []
+    for group, first, count, row in spans:
+        lps = logits[row : row + count].float().log_softmax(-1)
+        targets = torch.tensor(
+            group.prompt_token_ids[first + 1 : first + 1 + count], device=lps.device
         )
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            prompt_logprobs=group.prompt_logprobs if prompt_done else None,
-            outputs=outputs,
-            finished=group.finished,
-            metrics=group.metrics,
-        )
-
-    def _release_group(self, group: _Group) -> None:
-        self._groups.pop(group.request_id, None)
-        for sample in group.samples:
-            self._owner.pop(sample.request.request_id, None)
+        chosen = lps.gather(1, targets[:, None])
+        ranks = (lps > chosen).sum(-1, keepdim=True) + 1
+        k = group.params.prompt_logprobs or 0
+        parts = [chosen.double(), ranks.double()]
+        if k:
+            top = lps.topk(k, dim=-1)
+            parts += [top.indices.double(), top.values.double()]
+        pieces.append(torch.cat(parts, dim=1).flatten())
+    return torch.cat(pieces)

@@ -380,6 +380,17 @@ class Sampler:
         """logits [K, V] (any float dtype); row i samples from logits row logits_rows[i]
         (row i when None, and then K must be len(rows)). `generator`, on the logits'
         device, supplies the noise of unseeded rows (None: torch's default generator)."""
+        return self.launch(logits, rows, generator, logits_rows).result()
+
+    def launch(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        generator: torch.Generator | None,
+        logits_rows: list[int] | None = None,
+    ) -> PendingSample:
+        """Queue the sampling work on the device and the copy of its results to the host;
+        `result()` waits for them. Arguments as for calling the sampler."""
         if logits_rows is None and logits.shape[0] != len(rows):
             raise ValueError(
                 f"{len(rows)} sampling rows for {logits.shape[0]} rows of logits; pass "
@@ -391,7 +402,7 @@ class Sampler:
                 "give one logits row per sampling row"
             )
         if not rows:
-            return SamplerOutput([], [], [], [], [])
+            return PendingSample(None, None, None)
         batch = _Batch(rows, logits.shape[1], logits.shape[0], logits_rows)
         dev = batch.upload(logits.device)
         raw = logits.index_select(0, dev["rows"].long()) if batch.gather else logits
@@ -401,33 +412,55 @@ class Sampler:
             chosen = _draw(_filtered(z, batch, dev), batch, dev, generator)
         else:
             chosen = z.argmax(-1)
-        return self._results(raw, chosen, batch, dev)
+        return PendingSample(_results(raw, chosen, batch, dev), batch, logits.device)
 
-    @staticmethod
-    def _results(
-        raw: torch.Tensor, chosen: torch.Tensor, batch: _Batch, dev: dict[str, torch.Tensor]
-    ) -> SamplerOutput:
-        """Logprobs, ranks and top alternatives, and one device-to-host copy of them all."""
+
+def _results(
+    raw: torch.Tensor, chosen: torch.Tensor, batch: _Batch, dev: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """Sampled ids, logprobs, ranks and top alternatives, packed in one float64 tensor."""
+    logprobs = raw.log_softmax(-1)
+    chosen_lp = logprobs.gather(1, chosen[:, None]).squeeze(1)
+    pieces = [chosen.double(), chosen_lp.double()]
+    max_k = max(batch.lp_counts, default=0)
+    if batch.lp_rows:
+        index = dev["lp_rows"].long()
+        x = _rows(logprobs, index)
+        ranks = (x > _rows(chosen_lp, index)[:, None]).sum(-1, dtype=torch.int32) + 1
+        pieces.append(ranks.double())
+        if max_k:
+            top = x.topk(max_k, dim=-1)
+            pieces += [top.indices.double().flatten(), top.values.double().flatten()]
+    return torch.cat(pieces)
+
+
+class PendingSample:
+    """A launched sampling pass whose results are on their way to the host."""
+
+    def __init__(self, packed: torch.Tensor | None, batch: _Batch | None, device) -> None:
+        self._batch = batch
+        self._event = None
+        self._host = packed
+        if packed is not None and packed.is_cuda:
+            self._host = packed.to("cpu", non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(device))
+
+    def result(self) -> SamplerOutput:
+        """Wait for the results (one device-to-host copy) and unpack them."""
+        batch = self._batch
+        if batch is None:
+            return SamplerOutput([], [], [], [], [])
+        if self._event is not None:
+            self._event.synchronize()
+        host = self._host.tolist()
         num_rows = batch.num_rows
-        logprobs = raw.log_softmax(-1)
-        chosen_lp = logprobs.gather(1, chosen[:, None]).squeeze(1)
-        pieces = [chosen.double(), chosen_lp.double()]
-        num_lp = len(batch.lp_rows)
-        max_k = max(batch.lp_counts, default=0)
-        if num_lp:
-            index = dev["lp_rows"].long()
-            x = _rows(logprobs, index)
-            ranks = (x > _rows(chosen_lp, index)[:, None]).sum(-1, dtype=torch.int32) + 1
-            pieces.append(ranks.double())
-            if max_k:
-                top = x.topk(max_k, dim=-1)
-                pieces += [top.indices.double().flatten(), top.values.double().flatten()]
-        host = torch.cat(pieces).tolist()
         token_ids = [int(t) for t in host[:num_rows]]
         chosen_logprobs = host[num_rows : 2 * num_rows]
         ranks_out: list[int | None] = [None] * num_rows
         top_ids: list[list[int]] = [[] for _ in range(num_rows)]
         top_logprobs: list[list[float]] = [[] for _ in range(num_rows)]
+        num_lp, max_k = len(batch.lp_rows), max(batch.lp_counts, default=0)
         ranks_at = 2 * num_rows
         ids_at = ranks_at + num_lp
         lps_at = ids_at + num_lp * max_k

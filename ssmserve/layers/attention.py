@@ -43,7 +43,9 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding | None,
         bias: bool = False,
         scale: float | None = None,
+        out_features: int | None = None,
     ) -> None:
+        """`out_features` is o_proj's output width (default `hidden_size`, the input's)."""
         super().__init__()
         self.head_dim = head_dim
         self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, tp, bias)
@@ -51,7 +53,7 @@ class Attention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_local_kv_heads
         self.o_proj = RowParallelLinear(
             num_heads * head_dim,
-            hidden_size,
+            out_features or hidden_size,
             tp,
             bias,
             columns=head_segment(self.qkv_proj.q_heads, head_dim, num_heads),
@@ -63,9 +65,20 @@ class Attention(nn.Module):
     def cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(self.num_kv_heads, self.head_dim)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cache: KVCache,
+        qkv_delta: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`qkv_delta` (this rank's q/k/v columns, as qkv_proj gives them) is added to the
+        projection before RoPE: a per-use adapter's output (Zamba2's LoRA)."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        qkv = self.qkv_proj(x)
+        if qkv_delta is not None:
+            qkv = qkv + qkv_delta
+        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)

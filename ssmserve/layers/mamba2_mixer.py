@@ -5,11 +5,13 @@ input by heads) and gives each rank the B/C groups its heads read. When a rank's
 read their groups unevenly (n_groups not dividing by the TP size, e.g. 3 groups over 2
 ranks), the rank holds one copy of the group per head instead, so every n_groups works
 at every TP size. The gated RMSNorm is exact under TP: where a normalisation group spans
-ranks, the sums of squares are all-reduced.
+ranks, the sums of squares are all-reduced. Without the norm (`gated_norm=False`, some
+Falcon-H1 checkpoints) the scan output is only gated by silu(z).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -94,7 +96,12 @@ class Mamba2Mixer(nn.Module):
         use_conv_bias: bool = True,
         norm_group_size: int | None = None,
         norm_before_gate: bool = False,
+        gated_norm: bool = True,
+        out_proj_bias: bool | None = None,
+        in_proj_multipliers: Sequence[float] | None = None,
     ) -> None:
+        """`out_proj_bias` defaults to `use_bias`. `in_proj_multipliers` scale in_proj's
+        five output segments (z, x, B, C, dt) after the projection (Falcon-H1's µP vector)."""
         super().__init__()
         self.tp, self.ops = tp, ops
         self.activation = conv_activation(activation)
@@ -120,10 +127,25 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = row_sharded_parameter([per_head], fill=1.0)
         self.A_log = row_sharded_parameter([per_head])
         self.D = row_sharded_parameter([per_head], fill=1.0)
-        self.norm = nn.Module()
-        self.norm.weight = row_sharded_parameter([inner], fill=1.0)
-        self.out_proj = RowParallelLinear(num_heads * P, hidden_size, tp, use_bias, columns=inner)
-        self._plan_norm(num_heads * P, norm_group_size or num_heads * P, shard.heads.start * P)
+        self.norm = None
+        if gated_norm:
+            self.norm = nn.Module()
+            self.norm.weight = row_sharded_parameter([inner], fill=1.0)
+            self._plan_norm(num_heads * P, norm_group_size or num_heads * P, shard.heads.start * P)
+        out_bias = use_bias if out_proj_bias is None else out_proj_bias
+        self.out_proj = RowParallelLinear(num_heads * P, hidden_size, tp, out_bias, columns=inner)
+        scale = None
+        if in_proj_multipliers is not None:
+            if len(in_proj_multipliers) != 5:
+                raise ValueError(
+                    f"in_proj_multipliers has {len(in_proj_multipliers)} values; it needs one "
+                    "per in_proj segment (z, x, B, C, dt)"
+                )
+            sizes = self.in_proj.output_sizes
+            scale = torch.cat(
+                [torch.full((n,), float(m)) for n, m in zip(sizes, in_proj_multipliers)]
+            )
+        self.register_buffer("in_proj_scale", scale, persistent=False)
 
     def _plan_norm(self, full_size: int, group: int, first_channel: int) -> None:
         """Normalise locally when this rank's channels cover whole norm groups; otherwise
@@ -147,7 +169,10 @@ class Mamba2Mixer(nn.Module):
         H, P, N, G = self.num_heads, self.head_dim, self.state_size, self.n_groups
         I = self.intermediate_size  # noqa: E741
         nd = batch.num_decodes
-        z, xbc, dt = self.in_proj(x).split([I, self.conv_dim, H], dim=-1)
+        zxbcdt = self.in_proj(x)
+        if self.in_proj_scale is not None:
+            zxbcdt = zxbcdt * self.in_proj_scale
+        z, xbc, dt = zxbcdt.split([I, self.conv_dim, H], dim=-1)
         A = -torch.exp(self.A_log.float())
         conv_weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
         outs = []
@@ -217,6 +242,8 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(self._gated_norm(y, z).to(x.dtype))
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if self.norm is None:
+            return y * F.silu(z)
         if self.norm_local:
             group = self.norm_group_size
             return self.ops.gated_rms_norm(

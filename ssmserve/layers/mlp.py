@@ -37,8 +37,13 @@ class GatedMLP(nn.Module):
         )
         self.act = ACT2FN[act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.output_sizes, dim=-1)
+    def forward(self, x: torch.Tensor, gate_up_delta: torch.Tensor | None = None) -> torch.Tensor:
+        """`gate_up_delta` (this rank's gate and up columns) is added to the fused
+        projection: a per-use adapter's output (Zamba2's LoRA)."""
+        gate_up = self.gate_up_proj(x)
+        if gate_up_delta is not None:
+            gate_up = gate_up + gate_up_delta
+        gate, up = gate_up.split(self.gate_up_proj.output_sizes, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

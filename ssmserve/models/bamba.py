@@ -9,11 +9,17 @@ from torch import nn
 from ssmserve.layers.batch import ForwardBatch
 from ssmserve.layers.cache import LayerCache, LayerCacheSpec
 from ssmserve.layers.embed import VocabParallelEmbedding
-from ssmserve.layers.mamba2_mixer import Mamba2Mixer
 from ssmserve.layers.mlp import GatedMLP
 from ssmserve.layers.norm import RMSNorm
 from ssmserve.layers.rotary import RotaryEmbedding
-from ssmserve.models.base import GATE_UP_RULES, QKV_RULES, CausalLM, ModelContext, llama_attention
+from ssmserve.models.base import (
+    GATE_UP_RULES,
+    QKV_RULES,
+    CausalLM,
+    ModelContext,
+    bamba_style_mamba2,
+    llama_attention,
+)
 
 
 def layer_kinds(cfg) -> list[str]:
@@ -29,22 +35,7 @@ class BambaDecoderLayer(nn.Module):
         if kind == "attention":
             self.self_attn = llama_attention(cfg, ctx, rotary)
         else:
-            self.mamba = Mamba2Mixer(
-                hidden_size=cfg.hidden_size,
-                num_heads=cfg.mamba_n_heads,
-                head_dim=cfg.mamba_d_head,
-                state_size=cfg.mamba_d_state,
-                n_groups=cfg.mamba_n_groups,
-                conv_kernel=cfg.mamba_d_conv,
-                chunk_size=cfg.mamba_chunk_size,
-                norm_eps=cfg.rms_norm_eps,
-                ops=ctx.ops,
-                tp=ctx.tp,
-                activation=cfg.hidden_act,
-                time_step_limit=tuple(cfg.time_step_limit),
-                use_bias=cfg.mamba_proj_bias,
-                use_conv_bias=cfg.mamba_conv_bias,
-            )
+            self.mamba = bamba_style_mamba2(cfg, ctx)
         self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.feed_forward = GatedMLP(
             cfg.hidden_size,

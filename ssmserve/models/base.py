@@ -14,6 +14,7 @@ from ssmserve.layers.attention import Attention
 from ssmserve.layers.batch import ForwardBatch
 from ssmserve.layers.cache import LayerCache, LayerCacheSpec
 from ssmserve.layers.embed import ParallelLMHead, VocabParallelEmbedding
+from ssmserve.layers.mamba2_mixer import Mamba2Mixer
 from ssmserve.layers.rotary import RotaryEmbedding
 
 # (checkpoint name fragment, module name fragment, shard id): a checkpoint tensor whose
@@ -117,4 +118,26 @@ def llama_attention(cfg, ctx: ModelContext, rotary: RotaryEmbedding | None) -> A
         tp=ctx.tp,
         rotary=rotary,
         bias=getattr(cfg, "attention_bias", False),
+    )
+
+
+def bamba_style_mamba2(cfg, ctx: ModelContext, **extra) -> Mamba2Mixer:
+    """Mamba2 from the `mamba_*` config fields Bamba-style checkpoints share (Bamba,
+    Falcon-H1, Granite 4.0-H); `extra` passes the family's own Mamba2Mixer options."""
+    return Mamba2Mixer(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.mamba_n_heads,
+        head_dim=cfg.mamba_d_head,
+        state_size=cfg.mamba_d_state,
+        n_groups=cfg.mamba_n_groups,
+        conv_kernel=cfg.mamba_d_conv,
+        chunk_size=cfg.mamba_chunk_size,
+        norm_eps=cfg.rms_norm_eps,
+        ops=ctx.ops,
+        tp=ctx.tp,
+        activation=cfg.hidden_act,
+        time_step_limit=tuple(cfg.time_step_limit),
+        use_bias=cfg.mamba_proj_bias,
+        use_conv_bias=cfg.mamba_conv_bias,
+        **extra,
     )

@@ -9,11 +9,18 @@ from ssmserve.scheduler.request import Request
 
 @dataclass
 class ScheduledChunk:
-    """`num_new_tokens` tokens of `request`, starting at `start` (= computed so far)."""
+    """`num_new_tokens` tokens of `request`, starting at `start` (= computed so far).
+
+    `samples`: after this chunk every token of the request is computed, so a new token is
+    sampled from its last position. `epoch` is the request's preemption count when the
+    chunk was planned: a chunk from before a preemption is stale and its token is dropped.
+    """
 
     request: Request
     start: int
     num_new_tokens: int
+    samples: bool = False
+    epoch: int = 0
 
     @property
     def end(self) -> int:
@@ -25,9 +32,9 @@ class ScheduledChunk:
         return self.num_new_tokens == 1 and self.start > 0
 
     @property
-    def completes_prompt(self) -> bool:
-        """True when after this chunk every known token is computed: sample a new one."""
-        return self.end == self.request.num_tokens
+    def is_current(self) -> bool:
+        """Whether the request still runs as planned (not finished, aborted or preempted)."""
+        return self.request.is_running and self.request.num_preemptions == self.epoch
 
 
 @dataclass

@@ -20,9 +20,12 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence being generated. There are no phases, only counters.
 
-    `num_computed_tokens` tokens of `all_token_ids` have been through the model (their
-    K/V are in the cache, their effect is in the state slot). The prompt is done when
-    `num_computed_tokens >= num_prompt_tokens`; after that each step computes one token.
+    `num_computed_tokens` tokens have been scheduled through the model (their K/V go to
+    the cache, their effect to the state slot). A planned chunk that reaches the end of
+    the request samples a new token; until that step's result is back the token is
+    pending (`num_pending_tokens`), counted in `num_tokens` but not yet in
+    `all_token_ids`. The engine plans a step while the previous one runs, so up to two
+    tokens can be pending.
     """
 
     def __init__(
@@ -47,6 +50,7 @@ class Request:
         self.arrival_index = -1  # set by the scheduler when the request is added
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_pending_tokens = 0
         self.block_ids: list[int] = []
         self.state_slot: int | None = None
         self.num_preemptions = 0
@@ -54,7 +58,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        """Tokens known or being sampled."""
+        return len(self.all_token_ids) + self.num_pending_tokens
+
+    @property
+    def is_running(self) -> bool:
+        return self.status == RequestStatus.RUNNING
 
     @property
     def num_output_tokens(self) -> int:
@@ -65,6 +74,8 @@ class Request:
         return self.status.finished
 
     def append_output_token(self, token_id: int) -> None:
+        """A pending token's value has arrived."""
+        self.num_pending_tokens -= 1
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 

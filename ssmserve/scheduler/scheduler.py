@@ -83,6 +83,9 @@ class Scheduler:
     # -- planning ----------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
+        """Plan the next step. Counters advance here, so the engine can plan a step while
+        the previous one is still running: a chunk that reaches the end of its request
+        leaves a pending token, which `update` fills in when it is sampled."""
         plan = StepPlan()
         budget = self.max_num_batched_tokens
         chunks: dict[str, ScheduledChunk] = {}
@@ -91,10 +94,10 @@ class Scheduler:
             for request in list(self.running):
                 if budget == 0:
                     break
-                if request.status != RequestStatus.RUNNING or request.request_id in chunks:
+                if not request.is_running or request.request_id in chunks:
                     continue
                 remaining = request.num_tokens - request.num_computed_tokens
-                if (remaining == 1) != decodes:
+                if remaining == 0 or (remaining == 1) != decodes or self._will_finish(request):
                     continue
                 n = min(remaining, budget)
                 while not self._reserve_blocks(request, n):
@@ -111,9 +114,7 @@ class Scheduler:
                         budget += victim_chunk.num_new_tokens
                     self._preempt(victim, plan)
                 else:
-                    chunk = ScheduledChunk(request, request.num_computed_tokens, n)
-                    chunks[request.request_id] = chunk
-                    plan.chunks.append(chunk)
+                    chunks[request.request_id] = self._plan_chunk(request, n, plan)
                     budget -= n
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -128,27 +129,23 @@ class Scheduler:
                 request.state_slot = self.state_pool.allocate()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            chunk = ScheduledChunk(request, request.num_computed_tokens, n)
-            chunks[request.request_id] = chunk
-            plan.chunks.append(chunk)
+            chunks[request.request_id] = self._plan_chunk(request, n, plan)
             budget -= n
         return plan
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
-        """Advance counters after the forward; append sampled tokens; apply token stops.
+        """Fill in the tokens a finished step sampled; apply token stops.
 
-        `sampled` maps request id -> new token for every chunk that completed its
-        known tokens. Returns the requests that got a new token (finished ones included).
+        `sampled` maps request id -> new token for every chunk of `plan` that samples.
+        Chunks whose request was finished, aborted or preempted since are skipped (a
+        preempted request recomputes and samples again). Returns the requests that got a
+        new token (finished ones included).
         """
         advanced = []
         for chunk in plan.chunks:
+            if not chunk.samples or not chunk.is_current:
+                continue
             request = chunk.request
-            if request.status != RequestStatus.RUNNING:
-                continue
-            completes = chunk.completes_prompt
-            request.num_computed_tokens = chunk.end
-            if not completes:
-                continue
             token = sampled[request.request_id]
             request.append_output_token(token)
             advanced.append(request)
@@ -167,9 +164,28 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED, token
         if request.num_output_tokens >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH, None
-        if request.num_tokens >= self.max_tokens_per_request:
+        if len(request.all_token_ids) >= self.max_tokens_per_request:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
+
+    def _plan_chunk(self, request: Request, n: int, plan: StepPlan) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        samples = start + n == request.num_tokens
+        chunk = ScheduledChunk(request, start, n, samples, request.num_preemptions)
+        request.num_computed_tokens += n
+        request.num_pending_tokens += samples
+        plan.chunks.append(chunk)
+        return chunk
+
+    def _will_finish(self, request: Request) -> bool:
+        """Whether the tokens already pending end the request by length: planning more
+        for it would only compute tokens to throw away."""
+        if not request.num_pending_tokens:
+            return False
+        return (
+            request.num_output_tokens + request.num_pending_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_tokens_per_request
+        )
 
     def _reserve_blocks(self, request: Request, num_new_tokens: int) -> bool:
         if self.block_pool is None:
@@ -190,6 +206,7 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.num_pending_tokens = 0  # an in-flight token is dropped, then recomputed
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
