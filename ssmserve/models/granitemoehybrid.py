@@ -15,12 +15,17 @@ from ssmserve.layers.attention import Attention
 from ssmserve.layers.batch import ForwardBatch
 from ssmserve.layers.cache import LayerCache, LayerCacheSpec
 from ssmserve.layers.embed import VocabParallelEmbedding
-from ssmserve.layers.mamba2_mixer import Mamba2Mixer
 from ssmserve.layers.mlp import GatedMLP
 from ssmserve.layers.moe import FusedMoE, Routing
 from ssmserve.layers.norm import RMSNorm
 from ssmserve.layers.rotary import RotaryEmbedding
-from ssmserve.models.base import QKV_RULES, CausalLM, ModelContext, NameRule
+from ssmserve.models.base import (
+    QKV_RULES,
+    CausalLM,
+    ModelContext,
+    NameRule,
+    bamba_style_mamba2,
+)
 
 # transformers' config maps the legacy names ("mamba", "attention") to these.
 LAYER_KINDS = {"linear_attention": "mamba2", "full_attention": "attention"}
@@ -79,22 +84,7 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
                 scale=cfg.attention_multiplier,
             )
         else:
-            self.mamba = Mamba2Mixer(
-                hidden_size=cfg.hidden_size,
-                num_heads=cfg.mamba_n_heads,
-                head_dim=cfg.mamba_d_head,
-                state_size=cfg.mamba_d_state,
-                n_groups=cfg.mamba_n_groups,
-                conv_kernel=cfg.mamba_d_conv,
-                chunk_size=cfg.mamba_chunk_size,
-                norm_eps=cfg.rms_norm_eps,
-                ops=ctx.ops,
-                tp=ctx.tp,
-                activation=cfg.hidden_act,
-                time_step_limit=tuple(cfg.time_step_limit),
-                use_bias=cfg.mamba_proj_bias,
-                use_conv_bias=cfg.mamba_conv_bias,
-            )
+            self.mamba = bamba_style_mamba2(cfg, ctx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # With experts, routed and shared outputs are partial sums under TP, reduced once.
         self.block_sparse_moe = None

@@ -8,7 +8,6 @@ import pytest
 import torch
 import transformers
 
-from ssmserve import LLM, SamplingParams
 from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.kernels import get_ops
 from ssmserve.models.base import ModelContext
@@ -17,8 +16,9 @@ from tests.family_checks import (
     check_engine_invariants,
     check_matches_transformers,
     check_tensor_parallel,
+    check_triton_matches_torch,
+    tiny_checkpoints,
 )
-from tests.tiny_models import make_tiny_checkpoint
 from tests.triton_interpreter import interpreter_mode
 
 PROMPTS = ["def hello(name):\n    return", "import os", "x"]
@@ -29,6 +29,7 @@ VARIANTS = {
     # model does not just echo its input), 3 KV heads (TP=3)
     "moe_nope_tied": dict(
         layer_types=["attention", "mamba", "attention"],
+        num_hidden_layers=3,
         position_embedding_type="nope",
         num_key_value_heads=3,
         num_experts_per_tok=3,
@@ -37,24 +38,18 @@ VARIANTS = {
         residual_multiplier=1.5,
     ),
     # no experts: the shared MLP alone
-    "dense": dict(num_local_experts=0, num_experts_per_tok=0, layer_types=["mamba", "attention"]),
+    "dense": dict(
+        num_local_experts=0,
+        num_experts_per_tok=0,
+        layer_types=["mamba", "attention"],
+        num_hidden_layers=2,
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    cache: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in cache:
-            path = str(tmp_path_factory.mktemp(f"granite_{name}"))
-            overrides = dict(VARIANTS[name])
-            if "layer_types" in overrides:
-                overrides["num_hidden_layers"] = len(overrides["layer_types"])
-            cache[name] = make_tiny_checkpoint(path, "granitemoehybrid", seed=2, **overrides)
-        return cache[name]
-
-    return get
+    return tiny_checkpoints(tmp_path_factory, "granitemoehybrid", VARIANTS)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -90,14 +85,5 @@ def test_unsupported_position_embedding_is_refused():
 
 def test_triton_kernels_match_the_torch_twins(checkpoint):
     pytest.importorskip("triton", reason="triton is not installed")
-    path = checkpoint("moe_rope")
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0)
-    ref = LLM(path, device="cpu", kernel_backend="torch").generate(PROMPTS[:2], params)
     with interpreter_mode():
-        llm = LLM(path, device="cpu", kernel_backend="triton", max_num_batched_tokens=5)
-        got = llm.generate(PROMPTS[:2], params)
-    for a, b in zip(ref, got, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for i, t in enumerate(a.outputs[0].token_ids):
-            lp_a, lp_b = a.outputs[0].logprobs[i][t].logprob, b.outputs[0].logprobs[i][t].logprob
-            assert abs(lp_a - lp_b) < 1e-4, (i, lp_a, lp_b)
+        check_triton_matches_torch(checkpoint("moe_rope"), PROMPTS[:2])

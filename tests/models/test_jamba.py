@@ -13,8 +13,8 @@ from tests.family_checks import (
     check_engine_invariants,
     check_matches_transformers,
     check_tensor_parallel,
+    tiny_checkpoints,
 )
-from tests.tiny_models import make_tiny_checkpoint
 
 PROMPTS = ["def hello(name):\n    return", "import os", "x"]
 VARIANTS = {
@@ -39,15 +39,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    cache: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in cache:
-            path = str(tmp_path_factory.mktemp(f"jamba_{name}"))
-            cache[name] = make_tiny_checkpoint(path, "jamba", seed=1, **VARIANTS[name])
-        return cache[name]
-
-    return get
+    return tiny_checkpoints(tmp_path_factory, "jamba", VARIANTS)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
