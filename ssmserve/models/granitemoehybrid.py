@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.layers.attention import Attention
 from ssmserve.layers.batch import ForwardBatch
 from ssmserve.layers.cache import LayerCache, LayerCacheSpec
@@ -62,6 +63,20 @@ def granite_rotary(cfg) -> RotaryEmbedding | None:
             f"position_embedding_type = {kind!r} is not supported; use 'rope', 'nope' or null"
         )
     return RotaryEmbedding.from_hf_config(cfg)
+
+
+class ScaledEmbedding(VocabParallelEmbedding):
+    """The input embedding times `embedding_multiplier` (a tied LM head shares the weight,
+    not the multiplier)."""
+
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tp: TensorParallel, multiplier: float
+    ) -> None:
+        super().__init__(vocab_size, hidden_size, tp)
+        self.multiplier = multiplier
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.multiplier
 
 
 class GraniteMoeHybridDecoderLayer(nn.Module):
@@ -133,11 +148,10 @@ class GraniteMoeHybridForCausalLM(CausalLM):
     def __init__(self, hf_config, ctx: ModelContext) -> None:
         super().__init__(hf_config, ctx)
         rotary = granite_rotary(hf_config)
-        self.embedding_multiplier = hf_config.embedding_multiplier
         self.logits_scaling = hf_config.logits_scaling
         self.model = nn.Module()
-        self.model.embed_tokens = VocabParallelEmbedding(
-            hf_config.vocab_size, hf_config.hidden_size, ctx.tp
+        self.model.embed_tokens = ScaledEmbedding(
+            hf_config.vocab_size, hf_config.hidden_size, ctx.tp, hf_config.embedding_multiplier
         )
         self.model.layers = nn.ModuleList(
             GraniteMoeHybridDecoderLayer(hf_config, kind, ctx, rotary)
@@ -154,12 +168,6 @@ class GraniteMoeHybridForCausalLM(CausalLM):
 
     def final_norm(self) -> nn.Module:
         return self.model.norm
-
-    def forward(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
-        hidden = self.model.embed_tokens(batch.input_ids) * self.embedding_multiplier
-        for layer, cache in zip(self.model.layers, caches, strict=True):
-            hidden = layer(hidden, batch, cache)
-        return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) / self.logits_scaling
