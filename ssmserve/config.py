@@ -175,6 +175,14 @@ class EngineConfig:
     tensor_parallel_size: int = _flag(
         1, "GPUs (or CPU processes) the model is split across", aliases=("-tp",)
     )
+    pipeline_parallel_size: int = _flag(
+        1, "pipeline stages the layers are split into (processes: TP x PP)", aliases=("-pp",)
+    )
+    pp_layer_partition: str | None = _flag(
+        None,
+        "decoder layers per pipeline stage, comma-separated (e.g. 10,14,8); default: as "
+        "even as possible",
+    )
     mamba_ssm_cache_dtype: str = _flag(
         "float32",
         "dtype of the SSM state (float32 keeps long outputs exact; auto = the model dtype)",
@@ -209,6 +217,7 @@ class EngineConfig:
             "block_size",
             "num_kv_blocks",
             "tensor_parallel_size",
+            "pipeline_parallel_size",
             "max_model_len",
         ):
             value = getattr(self, name)

@@ -49,7 +49,9 @@ def load_weights(model: CausalLM, path: str) -> None:
     tensors that load into the same parameter (copies of weights a model shares across
     depths) must be equal.
     """
-    params = dict(model.named_parameters())
+    every = dict(model.named_parameters())
+    # Parameters left on `meta` belong to other pipeline stages: not loaded here.
+    params = {name: p for name, p in every.items() if not p.is_meta}
     needed = {name: set(getattr(p, "shard_ids", (None,))) for name, p in params.items()}
     loaded: dict[str, set[int | None]] = {}
     first_key: dict[tuple[str, int | None], str] = {}
@@ -62,6 +64,8 @@ def load_weights(model: CausalLM, path: str) -> None:
                 name, shard = model.checkpoint_to_param(key)
                 param = params.get(name)
                 if param is None:
+                    if name in every:
+                        continue  # another pipeline stage's weight
                     if key == "lm_head.weight" and model.tie_word_embeddings:
                         continue  # a tied checkpoint may still store the shared matrix
                     unexpected.append(key)
@@ -117,6 +121,8 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     weight_loader, so every tensor-parallel size sees the same model."""
     whole = _unsharded_shapes(model)
     for name, param in model.named_parameters():
+        if param.is_meta:
+            continue  # another pipeline stage's weight
         gen = torch.Generator(param.device).manual_seed(
             seed * 1_000_003 + zlib.crc32(name.encode())
         )

@@ -142,16 +142,31 @@ def check_engine_invariants(path: str, has_attention: bool, vocab: int = 300) ->
 
 
 def check_tensor_parallel(path: str, prompts: list[str], size: int = 2) -> None:
+    check_parallel(path, prompts, tp=size)
+
+
+def check_parallel(
+    path: str, prompts: list[str], tp: int = 1, pp: int = 1, partition: str | None = None
+) -> None:
+    """TP x PP equals one process at the same token budget: same greedy tokens, chosen
+    logprobs within float32 noise (all-reduced partial sums and batches made of other
+    micro-batches round differently)."""
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)
-    ref = LLM(path, device="cpu").generate(prompts, params)
-    llm = LLM(path, device="cpu", tensor_parallel_size=size, max_num_batched_tokens=5)
+    ref = LLM(path, device="cpu", max_num_batched_tokens=5).generate(prompts, params)
+    llm = LLM(
+        path,
+        device="cpu",
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        pp_layer_partition=partition,
+        max_num_batched_tokens=5,
+    )
     try:
         got = llm.generate(prompts, params)
         for r, g in zip(ref, got, strict=True):
             assert g.outputs[0].token_ids == r.outputs[0].token_ids
             for i, t in enumerate(r.outputs[0].token_ids):
                 a, b = r.outputs[0].logprobs[i][t].logprob, g.outputs[0].logprobs[i][t].logprob
-                # float32 reduction-order noise of all-reduced partial sums
                 assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (i, a, b)
         assert_idle(llm)
     finally:

@@ -4,7 +4,7 @@ NOTE: nothing here imports torch; tests/test_boundaries.py asserts it.
 """
 
 from ssmserve.cache.block_pool import BlockPool
-from ssmserve.cache.planner import CachePlan, plan_cache
+from ssmserve.cache.planner import CachePlan, combine_plans, plan_cache
 from ssmserve.cache.state_pool import StatePool
 
-__all__ = ["BlockPool", "StatePool", "CachePlan", "plan_cache"]
+__all__ = ["BlockPool", "StatePool", "CachePlan", "combine_plans", "plan_cache"]

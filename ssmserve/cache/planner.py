@@ -72,3 +72,18 @@ def plan_cache(
         max_num_seqs=slots,
         max_tokens_per_request=int(max_tokens),
     )
+
+
+def combine_plans(plans: list[CachePlan]) -> CachePlan:
+    """The plan every pipeline stage can hold: the fewest KV blocks among the stages that
+    have attention layers, the fewest state slots among those that have SSM layers."""
+    if len(plans) == 1:
+        return plans[0]
+    kv = [p.num_kv_blocks for p in plans if p.num_kv_blocks]
+    slots = [p.num_state_slots for p in plans if p.num_state_slots]
+    return CachePlan(
+        num_kv_blocks=min(kv, default=0),
+        num_state_slots=min(slots, default=0),
+        max_num_seqs=min(p.max_num_seqs for p in plans),
+        max_tokens_per_request=min(p.max_tokens_per_request for p in plans),
+    )

@@ -1,11 +1,17 @@
 """Running the model on one rank or on several: the engine talks to an executor.
 
-`LocalExecutor` wraps the engine process's own ModelRunner (tensor_parallel_size 1).
-`TensorParallelExecutor` is rank 0 of a tensor-parallel group: it starts the other
-ranks as worker processes itself (or joins ranks started by `torchrun`), and each step
-broadcasts what they need, the packed step tensor (`StepInputs.pack`), over a gloo
-group; every rank then runs its shard of the same forward. Rank 0 keeps the scheduler,
-sampler and detokenizer; workers run the model and nothing else.
+`LocalExecutor` wraps the engine process's own ModelRunner (one rank).
+`DistributedExecutor` is rank 0 of `tensor_parallel_size x pipeline_parallel_size`
+ranks. It starts the other ranks as worker processes itself (or joins ranks started by
+`torchrun`). Rank r runs pipeline stage r // TP as tensor-parallel rank r % TP; rank 0
+keeps the scheduler, sampler and detokenizer, workers run the model and nothing else.
+
+Each step rank 0 sends every worker the packed step tensor (`StepInputs.pack`) over a
+gloo group, point to point, so it never waits for a busy worker; each stage receives the
+previous stage's hidden state, runs its layers and sends the result on (NCCL between
+GPUs, gloo on CPU), and the last stage's first rank sends the logits back to rank 0.
+Stages handle steps in the order they were sent, so several steps (micro-batches of
+different requests) can be in the pipeline at once: `depth` of them.
 
 A worker that dies or fails a collective makes the next (or the current) step raise
 `WorkerFailedError`; shutdown stops every worker, and a worker whose engine process
@@ -23,6 +29,7 @@ import socket
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +37,7 @@ import torch.distributed as dist
 
 from ssmserve.config import EngineConfig, ModelConfig
 from ssmserve.distributed.parallel import TensorParallel
+from ssmserve.distributed.pipeline import stage_layers
 
 logger = logging.getLogger(__name__)
 
@@ -40,20 +48,39 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 
 
 class WorkerFailedError(RuntimeError):
-    """A tensor-parallel worker died or a collective failed; the engine cannot go on."""
+    """A worker died or a collective failed; the engine cannot go on."""
+
+
+class Logits:
+    """A step's logits: at hand, or on their way from the last pipeline stage."""
+
+    def __init__(self, value: torch.Tensor | None, work: Any = None, check=None) -> None:
+        self._value, self._work, self._check = value, work, check
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            try:
+                self._work.wait()
+            except (RuntimeError, dist.DistBackendError) as exc:
+                self._check(exc)
+            self._work = None
+        return self._value
 
 
 class LocalExecutor:
-    """Tensor-parallel size 1: the runner lives in this process."""
+    """One rank: the runner lives in this process."""
+
+    depth = 1
 
     def __init__(self, runner) -> None:
         self.runner = runner
+        self.stages = [0]  # the pipeline stage of each rank
 
-    def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.runner, method)(*args)
+    def call(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(self.runner, method)(*args)]
 
-    def execute(self, packed: torch.Tensor) -> torch.Tensor:
-        return self.runner.execute(packed)
+    def execute(self, packed: torch.Tensor) -> Logits:
+        return Logits(self.runner.execute(packed))
 
     def shutdown(self) -> None:
         self.runner.release_caches()
@@ -62,6 +89,25 @@ class LocalExecutor:
 def torchrun_rank() -> int | None:
     """This process's rank when started by torchrun (its RANK variable), else None."""
     return int(os.environ["RANK"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one rank sits in a TP x PP group, and the groups it talks through."""
+
+    rank: int
+    tp_size: int
+    pp_size: int
+    tp: TensorParallel
+    control: dist.ProcessGroup  # gloo, every rank: rank 0's commands and results
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.pp_size - 1
 
 
 def _backend(device: torch.device) -> str:
@@ -81,25 +127,57 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _make_tp(rank: int, size: int) -> TensorParallel:
-    cpu_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-    return TensorParallel(rank=rank, size=size, group=dist.group.WORLD, cpu_group=cpu_group)
+def _join(rank: int, config: EngineConfig, device: torch.device, init_method: str) -> Layout:
+    """Join the process group and make the groups (every rank makes all of them, in the
+    same order, as torch.distributed requires)."""
+    tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+    dist.init_process_group(
+        _backend(device),
+        init_method=init_method,
+        rank=rank,
+        world_size=tp_size * pp_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    mine = None
+    for stage in range(pp_size):
+        ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
+        group = dist.new_group(ranks, timeout=COLLECTIVE_TIMEOUT)
+        cpu_group = dist.new_group(ranks, backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+        if rank in ranks:
+            mine = TensorParallel(rank % tp_size, tp_size, group, cpu_group)
+    control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    return Layout(rank, tp_size, pp_size, mine, control)
 
 
-def _check_shapes(model_config: ModelConfig, size: int) -> None:
-    """Build rank 0's shard on the meta device: a model that cannot be split over `size`
-    ranks fails here, with the layer's message, before any worker starts."""
+def _make_runner(layout: Layout, config, model_config, device, dtype):
+    from ssmserve.engine.model_runner import ModelRunner
+    from ssmserve.models.base import PipelineStage
+
+    stage = None
+    if layout.pp_size > 1:
+        layers = stage_layers(model_config.hf_config.num_hidden_layers, config)[layout.stage]
+        stage = PipelineStage(layers, layout.stage == 0, layout.is_last_stage)
+    return ModelRunner(config, model_config, device, dtype, layout.tp, stage)
+
+
+def _check_shapes(config: EngineConfig, model_config: ModelConfig) -> None:
+    """Build each stage's first shard on the meta device: a model that cannot be split
+    fails here, with the layer's message, before any worker starts."""
     from ssmserve.kernels import get_ops
-    from ssmserve.models.base import ModelContext
+    from ssmserve.models.base import ModelContext, PipelineStage
     from ssmserve.models.registry import model_class
 
-    ctx = ModelContext(get_ops("torch", "cpu"), TensorParallel(rank=0, size=size))
-    with torch.device("meta"):
-        model_class(model_config.architecture)(model_config.hf_config, ctx)
+    layers = stage_layers(model_config.hf_config.num_hidden_layers, config)
+    tp = TensorParallel(rank=0, size=config.tensor_parallel_size)
+    for s, stage_range in enumerate(layers):
+        stage = PipelineStage(stage_range, s == 0, s == len(layers) - 1)
+        ctx = ModelContext(get_ops("torch", "cpu"), tp, stage)
+        with torch.device("meta"):
+            model_class(model_config.architecture)(model_config.hf_config, ctx)
 
 
-class TensorParallelExecutor:
-    """Rank 0 of a tensor-parallel group of `config.tensor_parallel_size` ranks."""
+class DistributedExecutor:
+    """Rank 0 of `tensor_parallel_size x pipeline_parallel_size` ranks."""
 
     def __init__(
         self,
@@ -108,38 +186,34 @@ class TensorParallelExecutor:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        from ssmserve.engine.model_runner import ModelRunner
-
-        size = config.tensor_parallel_size
-        _check_shapes(model_config, size)
+        _check_shapes(config, model_config)
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.world = tp * pp
+        self.depth = pp
+        self.stages = [r // tp for r in range(self.world)]
+        self.vocab_size = model_config.vocab_size
         self._procs: list[subprocess.Popen] = []
+        self._sends: list[Any] = []  # in-flight sends and their tensors
         self._failed: str | None = None
         self._closed = False
         if torchrun_rank() is None:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
             level = logging.getLogger().getEffectiveLevel()
-            for rank in range(1, size):
-                args = (rank, size, init_method, config, model_config, device, dtype, level)
+            for rank in range(1, self.world):
+                args = (rank, init_method, config, model_config, device, dtype, level)
                 self._procs.append(_spawn_worker(args))
             for proc in self._procs:
                 threading.Thread(target=self._watch_worker, args=(proc,), daemon=True).start()
         else:
             init_method = "env://"
         try:
-            dist.init_process_group(
-                _backend(device),
-                init_method=init_method,
-                rank=0,
-                world_size=size,
-                timeout=COLLECTIVE_TIMEOUT,
-            )
-            self.tp = _make_tp(0, size)
-            self.runner = ModelRunner(config, model_config, device, dtype, self.tp)
+            self.layout = _join(0, config, device, init_method)
+            self.runner = _make_runner(self.layout, config, model_config, device, dtype)
         except BaseException:
             self.shutdown()
             raise
         atexit.register(self.shutdown)
-        logger.info("tensor parallel: %d ranks over %s", size, _backend(device))
+        logger.info("distributed: TP %d x PP %d ranks over %s", tp, pp, _backend(device))
 
     @property
     def workers(self) -> list[subprocess.Popen]:
@@ -149,42 +223,60 @@ class TensorParallelExecutor:
     def _watch_worker(self, proc: subprocess.Popen) -> None:
         code = proc.wait()
         if not self._closed and self._failed is None:
-            self._failed = f"tensor-parallel worker (pid {proc.pid}) exited with code {code}"
+            self._failed = f"worker (pid {proc.pid}) exited with code {code}"
             logger.error("%s; in-flight requests fail", self._failed)
 
     def _check(self) -> None:
         if self._closed:
-            raise WorkerFailedError("the tensor-parallel group is shut down")
+            raise WorkerFailedError("the distributed group is shut down")
         if self._failed:
             raise WorkerFailedError(self._failed)
 
-    def _command(self, cmd: int, n: int = 0) -> None:
-        dist.broadcast(torch.tensor([cmd, n]), 0, group=self.tp.cpu_group)
+    def _raise(self, exc: BaseException) -> None:
+        if not isinstance(exc, WorkerFailedError):
+            self._failed = self._failed or f"a collective failed: {exc}"
+            exc = WorkerFailedError(self._failed)
+        raise exc
 
-    def call(self, method: str, *args: Any) -> Any:
-        """Run runner.`method`(*args) on every rank; rank 0's result."""
+    def _send_all(self, *tensors: torch.Tensor) -> None:
+        """Send these tensors to every worker without waiting for them to be received."""
+        self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+        for rank in range(1, self.world):
+            for t in tensors:
+                self._sends.append((dist.isend(t, rank, group=self.layout.control), t))
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """Run runner.`method`(*args) on every rank; every rank's result, by rank."""
         self._check()
         try:
-            self._command(_CALL)
-            dist.broadcast_object_list([(method, args)], 0, group=self.tp.cpu_group)
-            return getattr(self.runner, method)(*args)
+            self._send_all(torch.tensor([_CALL, 0]))
+            message = torch.frombuffer(bytearray(pickle.dumps((method, args))), dtype=torch.uint8)
+            self._send_all(torch.tensor([message.numel()]), message)
+            result = getattr(self.runner, method)(*args)
+            results: list[Any] = [None] * self.world
+            dist.gather_object(result, results, dst=0, group=self.layout.control)
+            return results
         except (RuntimeError, dist.DistBackendError) as exc:
-            raise self._failure(exc) from exc
+            self._raise(exc)
 
-    def execute(self, packed: torch.Tensor) -> torch.Tensor:
+    def execute(self, packed: torch.Tensor) -> Logits:
         self._check()
         try:
-            self._command(_STEP, packed.numel())
-            dist.broadcast(packed, 0, group=self.tp.cpu_group)
-            return self.runner.execute(packed)
+            self._send_all(torch.tensor([_STEP, packed.numel()]), packed)
+            out = self.runner.execute(packed)
+            if self.layout.pp_size == 1:
+                return Logits(out)
+            for t in out.values():
+                t = t.contiguous()
+                self._sends.append((dist.isend(t, self.layout.tp_size), t))
+            num_logits = int(packed[2])
+            logits = torch.empty(num_logits, self.vocab_size, device=self.runner.device)
+            if num_logits == 0:
+                return Logits(logits)
+            last = (self.layout.pp_size - 1) * self.layout.tp_size
+            return Logits(logits, dist.irecv(logits, last), self._raise)
         except (RuntimeError, dist.DistBackendError) as exc:
-            raise self._failure(exc) from exc
-
-    def _failure(self, exc: BaseException) -> WorkerFailedError:
-        if isinstance(exc, WorkerFailedError):
-            return exc
-        self._failed = self._failed or f"a tensor-parallel collective failed: {exc}"
-        return WorkerFailedError(self._failed)
+            self._raise(exc)
 
     def shutdown(self) -> None:
         if self._closed:
@@ -193,7 +285,9 @@ class TensorParallelExecutor:
         if dist.is_initialized():
             if not self._failed:
                 try:
-                    self._command(_EXIT)
+                    self._send_all(torch.tensor([_EXIT, 0]))
+                    for work, _ in self._sends:
+                        work.wait()
                 except (RuntimeError, dist.DistBackendError):
                     pass
             for proc in self._procs:
@@ -219,9 +313,12 @@ def _spawn_worker(args: tuple) -> subprocess.Popen:
     """Start one worker as `python -m ssmserve.distributed.executor`, its arguments pickled
     on stdin. A fresh interpreter (not a fork, and not multiprocessing's spawn, which
     re-imports the caller's main module) keeps CUDA and user scripts out of the worker."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ssmserve.distributed.executor"], stdin=subprocess.PIPE
-    )
+    cmd = [sys.executable, "-m", "ssmserve.distributed.executor"]
+    # The worker imports this very copy of ssmserve, wherever it was imported from.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": root if not path else root + os.pathsep + path}
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
     pickle.dump(args, proc.stdin)
     proc.stdin.flush()
     return proc
@@ -230,10 +327,8 @@ def _spawn_worker(args: tuple) -> subprocess.Popen:
 def _worker_process() -> None:
     """Entry point of a spawned worker: read the arguments, then serve rank 0. The engine
     keeps this process's stdin open; when it closes (the engine exited or died), exit."""
-    rank, size, init_method, config, model_config, device, dtype, level = pickle.load(
-        sys.stdin.buffer
-    )
-    logging.basicConfig(level=level, format=f"%(levelname)s tp{rank} %(name)s: %(message)s")
+    rank, init_method, config, model_config, device, dtype, level = pickle.load(sys.stdin.buffer)
+    logging.basicConfig(level=level, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
 
     def exit_with_parent() -> None:
         # Raw reads of fd 0: a thread blocked in sys.stdin would hold its lock at exit.
@@ -243,13 +338,19 @@ def _worker_process() -> None:
 
     threading.Thread(target=exit_with_parent, daemon=True).start()
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    run_worker(rank, size, init_method, config, model_config, _rank_device(device, rank), dtype)
+        world = config.tensor_parallel_size * config.pipeline_parallel_size
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    run_worker(rank, init_method, config, model_config, _rank_device(device, rank), dtype)
+
+
+def _recv(n: int, dtype: torch.dtype, group) -> torch.Tensor:
+    t = torch.empty(n, dtype=dtype)
+    dist.recv(t, 0, group=group)
+    return t
 
 
 def run_worker(
     rank: int,
-    size: int,
     init_method: str,
     config: EngineConfig,
     model_config: ModelConfig,
@@ -257,32 +358,31 @@ def run_worker(
     dtype: torch.dtype,
 ) -> None:
     """A worker rank: build the shard, then serve rank 0's commands until it says exit."""
-    from ssmserve.engine.model_runner import ModelRunner
-
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        _backend(device),
-        init_method=init_method,
-        rank=rank,
-        world_size=size,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
-    tp = _make_tp(rank, size)
-    runner = ModelRunner(config, model_config, device, dtype, tp)
-    head = torch.zeros(2, dtype=torch.long)
+    layout = _join(rank, config, device, init_method)
+    runner = _make_runner(layout, config, model_config, device, dtype)
+    tp = layout.tp_size
     while True:
-        dist.broadcast(head, 0, group=tp.cpu_group)
-        cmd, n = head.tolist()
+        cmd, n = _recv(2, torch.long, layout.control).tolist()
         if cmd == _STEP:
-            packed = torch.empty(n, dtype=torch.long)
-            dist.broadcast(packed, 0, group=tp.cpu_group)
-            runner.execute(packed)
+            packed = _recv(n, torch.long, layout.control)
+            received = None
+            if layout.stage > 0:
+                received = runner.intermediate_buffers(int(packed[0]))
+                for t in received.values():
+                    dist.recv(t, rank - tp)
+            out = runner.execute(packed, received)
+            if not layout.is_last_stage:
+                for t in out.values():
+                    dist.send(t.contiguous(), rank + tp)
+            elif layout.pp_size > 1 and layout.tp.rank == 0 and out.shape[0]:
+                dist.send(out.contiguous(), 0)
         elif cmd == _CALL:
-            message: list[Any] = [None]
-            dist.broadcast_object_list(message, 0, group=tp.cpu_group)
-            method, args = message[0]
-            getattr(runner, method)(*args)
+            size = int(_recv(1, torch.long, layout.control))
+            method, args = pickle.loads(_recv(size, torch.uint8, layout.control).numpy().tobytes())
+            result = getattr(runner, method)(*args)
+            dist.gather_object(result, None, dst=0, group=layout.control)
         else:
             break
     dist.destroy_process_group()

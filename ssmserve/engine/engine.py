@@ -6,12 +6,13 @@ import dataclasses
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ssmserve.cache import BlockPool, StatePool, plan_cache
+from ssmserve.cache import BlockPool, StatePool, combine_plans, plan_cache
 from ssmserve.config import (
     DEFAULT_MODEL_NAME,
     EngineConfig,
@@ -21,8 +22,9 @@ from ssmserve.config import (
     resolve_torch_dtype,
 )
 from ssmserve.distributed.executor import (
+    DistributedExecutor,
     LocalExecutor,
-    TensorParallelExecutor,
+    Logits,
     run_worker,
     torchrun_rank,
 )
@@ -62,21 +64,22 @@ def _make_executor(
 ):
     """The engine process's executor; under torchrun, ranks other than 0 become workers
     here and exit when rank 0 shuts down."""
-    size = config.tensor_parallel_size
+    size = config.tensor_parallel_size * config.pipeline_parallel_size
     rank = torchrun_rank()
     if rank is not None:
         world = int(os.environ["WORLD_SIZE"])
         if world != size:
             raise ValueError(
-                f"torchrun started {world} processes but tensor_parallel_size is {size}; "
-                "pass --tensor-parallel-size equal to torchrun's --nproc-per-node x --nnodes"
+                f"torchrun started {world} processes but tensor_parallel_size x "
+                f"pipeline_parallel_size is {size}; make them equal to torchrun's "
+                "--nproc-per-node x --nnodes"
             )
         if rank != 0:
-            run_worker(rank, size, "env://", config, model_config, device, dtype)
+            run_worker(rank, "env://", config, model_config, device, dtype)
             raise SystemExit(0)
     if size == 1:
         return LocalExecutor(ModelRunner(config, model_config, device, dtype, TensorParallel()))
-    return TensorParallelExecutor(config, model_config, device, dtype)
+    return DistributedExecutor(config, model_config, device, dtype)
 
 
 class LLMEngine:
@@ -112,7 +115,7 @@ class LLMEngine:
             raise
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer)
-        self._in_flight: _Step | None = None
+        self._in_flight: deque[_Step] = deque()  # launched, not yet collected
         self._generator = torch.Generator(self.device).manual_seed(config.seed)
         self.prompt_tokens_total = 0
 
@@ -120,30 +123,39 @@ class LLMEngine:
 
     def _setup_caches(self) -> None:
         cfg = self.config
-        per_block, per_slot = self.executor.call("cache_bytes")
         self.max_num_batched_tokens = cfg.max_num_batched_tokens or (
             8192 if self.device.type == "cuda" else 2048
         )
-        if cfg.cache_memory is not None:
-            budget = cfg.cache_memory
-        elif self.device.type == "cuda":
-            budget = self.executor.call("gpu_cache_budget", self.max_num_batched_tokens)
-            if budget <= 0:
+        if cfg.cache_memory is not None or self.device.type != "cuda":
+            budgets = [cfg.cache_memory or DEFAULT_CPU_CACHE_BYTES] * len(self.executor.stages)
+        else:
+            budgets = self.executor.call("gpu_cache_budget", self.max_num_batched_tokens)
+            if min(budgets) <= 0:
                 raise RuntimeError(
                     "no GPU memory left for the caches after the weights and activations; "
                     "raise --gpu-memory-utilization or lower --max-num-batched-tokens"
                 )
-        else:
-            budget = DEFAULT_CPU_CACHE_BYTES
-        plan = plan_cache(
-            budget_bytes=budget,
-            bytes_per_block=per_block,
-            bytes_per_slot=per_slot,
-            block_size=cfg.block_size,
-            max_num_seqs=cfg.max_num_seqs,
-            max_model_len=self.model_config.max_model_len,
-            num_kv_blocks=cfg.num_kv_blocks,
-        )
+        # Every rank holds the same block ids and slots for its own layers: plan each
+        # pipeline stage (its ranks' largest cache, smallest budget), then take the
+        # plan every stage can hold.
+        stage_plans = []
+        sizes = self.executor.call("cache_bytes")
+        for stage in sorted(set(self.executor.stages)):
+            ranks = [r for r, s in enumerate(self.executor.stages) if s == stage]
+            stage_plans.append(
+                plan_cache(
+                    budget_bytes=min(budgets[r] for r in ranks),
+                    bytes_per_block=max(sizes[r][0] for r in ranks),
+                    bytes_per_slot=max(sizes[r][1] for r in ranks),
+                    block_size=cfg.block_size,
+                    max_num_seqs=cfg.max_num_seqs,
+                    max_model_len=self.model_config.max_model_len,
+                    num_kv_blocks=cfg.num_kv_blocks,
+                )
+            )
+        plan = combine_plans(stage_plans)
+        per_block = sum(size[0] for size in sizes)
+        per_slot = sum(size[1] for size in sizes)
         self.cache_plan = plan
         self.executor.call("setup", plan, self.max_num_batched_tokens)
         self.block_pool = BlockPool(plan.num_kv_blocks, cfg.block_size) if per_block else None
@@ -273,7 +285,8 @@ class LLMEngine:
         n+1 runs: each call returns the outputs of the step before. Without it, each call
         runs one step start to finish. Both give every request the same output.
         """
-        plan = self._plan()
+        depth = self.executor.depth if self.config.overlap_steps else 1
+        plan = self._plan(allow_pending=depth == 1)
         if not self.config.overlap_steps:
             if plan is None:
                 return []
@@ -282,18 +295,21 @@ class LLMEngine:
                 return []
             self._collect(step)
             return self._finish(step)
-        done, self._in_flight = self._in_flight, None
-        if done is not None:
+        done = None
+        if self._in_flight and (depth == 1 or len(self._in_flight) >= depth or plan is None):
+            done = self._in_flight.popleft()
             self._collect(done)
         if plan is not None:
-            self._in_flight = self._launch(plan)
+            step = self._launch(plan)
+            if step is not None:
+                self._in_flight.append(step)
         return self._finish(done) if done is not None else []
 
-    def _plan(self) -> StepPlan | None:
-        plan = self.scheduler.schedule()
+    def _plan(self, allow_pending: bool) -> StepPlan | None:
+        plan = self.scheduler.schedule(allow_pending)
         if not plan.is_empty:
             return plan
-        if self.scheduler.waiting and not self.scheduler.running and self._in_flight is None:
+        if self.scheduler.waiting and not self.scheduler.running and not self._in_flight:
             # Admission checks make this unreachable; fail loudly rather than spin.
             raise RuntimeError(
                 f"the scheduler cannot start {self.scheduler.waiting[0]} with an empty "
@@ -326,7 +342,15 @@ class LLMEngine:
                 step.sampling.append((chunk, len(rows)))
                 rows.append(offset + chunk.num_new_tokens - 1)
             offset += chunk.num_new_tokens
-        logits = self.executor.execute(step_inputs(chunks, rows, self.config.block_size).pack())
+        step.logits = self.executor.execute(
+            step_inputs(chunks, rows, self.config.block_size).pack()
+        )
+        if self.executor.depth == 1:
+            self._sample(step)  # queued behind the forward; results come back in _collect
+        return step
+
+    def _sample(self, step: _Step) -> None:
+        logits = step.logits.wait()
         if step.sampling:
             sampling_rows = []
             for chunk, _ in step.sampling:
@@ -344,10 +368,12 @@ class LLMEngine:
             )
         if step.prompt_spans:
             step.prompt_logprobs = _prompt_logprobs(logits, step.prompt_spans)
-        return step
+        step.logits = None
 
     def _collect(self, step: _Step) -> None:
         """Wait for a step's tokens and apply them: counters, token and string stops."""
+        if step.logits is not None:
+            self._sample(step)  # a pipeline's logits arrive from the last stage
         if step.pending is None:
             return
         step.sampled = step.pending.result()
@@ -401,6 +427,7 @@ class _Step:
     sampling: list[tuple[ScheduledChunk, int]] = field(default_factory=list)  # chunk, row
     row_of: dict[str, int] = field(default_factory=dict)  # request id -> sampling row
     prompt_spans: list[tuple[Group, int, int, int]] = field(default_factory=list)
+    logits: Logits | None = None
     pending: PendingSample | None = None
     prompt_logprobs: torch.Tensor | None = None
     sampled: SamplerOutput | None = None

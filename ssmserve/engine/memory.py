@@ -24,7 +24,10 @@ def profile_activation_peak(runner, num_tokens: int) -> int:
     before = torch.cuda.memory_allocated(device)
     inputs = StepInputs(logits_indices=[num_tokens - 1])
     inputs.add_sequence([0] * num_tokens, 0, list(range(num_blocks)), runner.block_size, 0)
-    runner.execute(inputs.pack())
+    received = None
+    if runner.stage is not None and not runner.stage.is_first:
+        received = {k: t.zero_() for k, t in runner.intermediate_buffers(num_tokens).items()}
+    runner.execute(inputs.pack(), received)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     runner.release_caches()

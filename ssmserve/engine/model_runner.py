@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 
 from ssmserve.cache import CachePlan
 from ssmserve.config import EngineConfig, ModelConfig
@@ -19,7 +18,7 @@ from ssmserve.kernels import get_ops
 from ssmserve.layers.batch import ForwardBatch, StepInputs
 from ssmserve.layers.cache import LayerCache, allocate_caches, cache_bytes
 from ssmserve.loader import init_dummy_weights, load_weights
-from ssmserve.models.base import ModelContext
+from ssmserve.models.base import ModelContext, PipelineStage
 from ssmserve.models.registry import model_class
 from ssmserve.scheduler.plan import ScheduledChunk
 
@@ -34,11 +33,13 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         tp: TensorParallel,
+        stage: PipelineStage | None = None,
     ) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
         self.tp = tp
+        self.stage = stage
         self.block_size = config.block_size
         self.state_dtype = (
             dtype
@@ -53,13 +54,17 @@ class ModelRunner:
 
     def _build_model(self, model_config: ModelConfig):
         cls = model_class(model_config.architecture)
+        ctx = ModelContext(self.ops, self.tp, self.stage)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
-                model = cls(model_config.hf_config, ModelContext(self.ops, self.tp))
+            # A pipeline stage builds the whole model on `meta` (no memory) and then
+            # allocates only the modules it runs.
+            with torch.device("meta" if self.stage is not None else self.device):
+                model = cls(model_config.hf_config, ctx)
         finally:
             torch.set_default_dtype(default_dtype)
+        _materialize(model.stage_modules() if self.stage is not None else [model], self.device)
         if self.config.load_format == "dummy":
             init_dummy_weights(model, self.config.seed)
         else:
@@ -69,17 +74,12 @@ class ModelRunner:
     # -- caches ---------------------------------------------------------------------
 
     def cache_bytes(self) -> tuple[int, int]:
-        """Bytes of one KV block and of one state slot, the largest over the ranks."""
-        per = torch.tensor(
-            cache_bytes(self.cache_specs, self.block_size, self.dtype, self.state_dtype)
-        )
-        if self.tp.size > 1:
-            dist.all_reduce(per, op=dist.ReduceOp.MAX, group=self.tp.cpu_group)
-        return int(per[0]), int(per[1])
+        """Bytes of one KV block and of one state slot of this rank's layers."""
+        return cache_bytes(self.cache_specs, self.block_size, self.dtype, self.state_dtype)
 
     def gpu_cache_budget(self, max_num_batched_tokens: int) -> int:
         """Bytes left for caches on this GPU after the weights and the measured activation
-        peak of a full-budget forward; the smallest over the ranks."""
+        peak of a full-budget forward."""
         from ssmserve.engine.memory import profile_activation_peak
 
         peak = profile_activation_peak(self, max_num_batched_tokens)
@@ -95,10 +95,7 @@ class ModelRunner:
             peak / 2**30,
             budget / 2**30,
         )
-        least = torch.tensor([budget])
-        if self.tp.size > 1:
-            dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.tp.cpu_group)
-        return int(least[0])
+        return budget
 
     def allocate_caches(self, num_kv_blocks: int, num_state_slots: int) -> None:
         self.caches = allocate_caches(
@@ -122,6 +119,9 @@ class ModelRunner:
         if self.ops.backend == "torch":
             logger.info("CUDA graphs need the Triton kernels; running eager")
             return
+        if self.stage is not None:
+            logger.info("pipeline stages run eager (no CUDA graphs)")
+            return
         from ssmserve.engine.cuda_graphs import DecodeGraphs
 
         max_blocks = -(-plan.max_tokens_per_request // self.block_size)
@@ -137,12 +137,53 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
 
     @torch.inference_mode()
-    def execute(self, packed: torch.Tensor) -> torch.Tensor:
-        """Logits of one packed step (StepInputs.pack), by graph replay where it can."""
+    def execute(
+        self, packed: torch.Tensor, received: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Logits of one packed step (StepInputs.pack), by graph replay where it can; a
+        pipeline stage before the last returns what it sends the next stage."""
         batch = ForwardBatch.from_packed(packed, self.device)
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
-        return self.forward_logits(batch)
+        out = self.model(batch, self.caches, received)
+        if isinstance(out, dict):
+            return out
+        return self.model.compute_logits(out[batch.logits_indices]).float()
+
+    def intermediate_buffers(self, num_tokens: int) -> dict[str, torch.Tensor]:
+        """Empty tensors to receive the previous stage's output into."""
+        spec = self.model.intermediate_spec(num_tokens)
+        return {
+            k: torch.empty(shape, dtype=dt, device=self.device) for k, (shape, dt) in spec.items()
+        }
+
+
+def _materialize(modules: list[torch.nn.Module], device: torch.device) -> None:
+    """Give the parameters these modules hold on `meta` real (uninitialised) storage on
+    `device`, keeping their loader attributes; move their buffers (made on the CPU) to
+    `device`. A parameter shared by two modules (tied embeddings) stays shared."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in modules:
+        for sub in module.modules():
+            for name, param in list(sub._parameters.items()):
+                if param is None or not param.is_meta:
+                    continue
+                if id(param) not in made:
+                    new = torch.nn.Parameter(
+                        torch.empty(param.shape, dtype=param.dtype, device=device),
+                        requires_grad=False,
+                    )
+                    new.__dict__.update(param.__dict__)
+                    made[id(param)] = new
+                sub._parameters[name] = made[id(param)]
+            for name, buf in list(sub._buffers.items()):
+                if buf is not None:
+                    if buf.is_meta:
+                        raise RuntimeError(
+                            f"buffer {name} of {type(sub).__name__} was made on the model's "
+                            "device; make computed buffers on the CPU (device='cpu')"
+                        )
+                    sub._buffers[name] = buf.to(device)
 
 
 def order_chunks(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:

@@ -143,7 +143,10 @@ class Mamba2Mixer(nn.Module):
                 )
             sizes = self.in_proj.output_sizes
             scale = torch.cat(
-                [torch.full((n,), float(m)) for n, m in zip(sizes, in_proj_multipliers)]
+                [
+                    torch.full((n,), float(m), device="cpu")
+                    for n, m in zip(sizes, in_proj_multipliers)
+                ]
             )
         self.register_buffer("in_proj_scale", scale, persistent=False)
 
@@ -156,7 +159,9 @@ class Mamba2Mixer(nn.Module):
         self.norm_group_size = group
         self.norm_local = first_channel % group == 0 and last % group == 0
         self.num_norm_groups = full_size // group
-        channels = torch.arange(first_channel, last)
+        # NOTE: computed buffers are made on the CPU (whatever device the model is built
+        # on, `meta` included) and moved with the model; see ModelRunner.
+        channels = torch.arange(first_channel, last, device="cpu")
         self.register_buffer("norm_group_of_channel", channels // group, persistent=False)
 
     def cache_spec(self) -> StateSpec:

@@ -33,11 +33,27 @@ GATE_UP_RULES: tuple[NameRule, ...] = (
 
 
 @dataclass(frozen=True)
+class PipelineStage:
+    """The contiguous decoder layers one pipeline stage runs; the first stage embeds the
+    tokens, the last applies the final norm and the LM head."""
+
+    layers: range
+    is_first: bool = True
+    is_last: bool = True
+
+    @classmethod
+    def whole(cls, num_layers: int) -> PipelineStage:
+        return cls(range(num_layers))
+
+
+@dataclass(frozen=True)
 class ModelContext:
-    """What layers are built with: the kernels and this rank's tensor-parallel group."""
+    """What layers are built with: the kernels, this rank's tensor-parallel group and,
+    under pipeline parallelism, its stage (None: the whole model)."""
 
     ops: KernelOps
     tp: TensorParallel
+    stage: PipelineStage | None = None
 
 
 class CausalLM(nn.Module):
@@ -77,19 +93,60 @@ class CausalLM(nn.Module):
         tied = self.input_embeddings() if self.tie_word_embeddings else None
         return ParallelLMHead(vocab_size, hidden_size, self.ctx.tp, tied)
 
-    def forward(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for every token of the batch."""
-        hidden = self.input_embeddings()(batch.input_ids)
-        for layer, cache in zip(self.decoder_layers(), caches, strict=True):
-            hidden = layer(hidden, batch, cache)
+    @property
+    def stage(self) -> PipelineStage:
+        return self.ctx.stage or PipelineStage.whole(len(self.decoder_layers()))
+
+    def forward(
+        self,
+        batch: ForwardBatch,
+        caches: list[LayerCache],
+        received: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """This stage's part of the forward. The whole model (and the last stage) returns
+        hidden states [T, hidden] after the final norm; an earlier stage returns what the
+        next one needs (`intermediate_spec`). `received`: what the previous stage sent."""
+        stage = self.stage
+        hidden = (
+            self.input_embeddings()(batch.input_ids) if received is None else received["hidden"]
+        )
+        layers = self.decoder_layers()
+        for i in stage.layers:
+            hidden = layers[i](hidden, batch, caches[i])
+        if not stage.is_last:
+            return {"hidden": hidden}
         return self.final_norm()(hidden)
+
+    def intermediate_spec(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shapes and dtypes of what a stage sends the next one."""
+        return {"hidden": ((num_tokens, self.hf_config.hidden_size), self.residual_dtype)}
+
+    @property
+    def residual_dtype(self) -> torch.dtype:
+        """The dtype of the hidden state between decoder layers."""
+        return self.lm_head.weight.dtype if hasattr(self, "lm_head") else torch.get_default_dtype()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [K, vocab] on every rank (the vocab-parallel head gathers them)."""
         return self.lm_head(hidden)
 
     def cache_specs(self) -> list[LayerCacheSpec]:
-        return [layer.cache_spec() for layer in self.decoder_layers()]
+        """One spec per decoder position; empty for positions another stage runs."""
+        local = set(self.stage.layers)
+        return [
+            layer.cache_spec() if i in local else LayerCacheSpec()
+            for i, layer in enumerate(self.decoder_layers())
+        ]
+
+    def stage_modules(self) -> list[nn.Module]:
+        """The modules this pipeline stage runs (and holds the weights of)."""
+        stage, layers = self.stage, self.decoder_layers()
+        modules = [layers[i] for i in stage.layers]
+        if stage.is_first or (stage.is_last and self.tie_word_embeddings):
+            modules.append(self.input_embeddings())
+        if stage.is_last:
+            modules += [self.final_norm(), self.lm_head]
+        return modules
 
     def checkpoint_to_param(self, name: str) -> tuple[str, int | None]:
         """The parameter a checkpoint tensor loads into, and as which shard."""

@@ -66,8 +66,15 @@ class MambaStyleLM(CausalLM):
     def final_norm(self) -> nn.Module:
         return self.backbone.norm_f
 
-    def forward(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
-        return super().forward(batch, caches).to(self.lm_head.weight.dtype)
+    def forward(self, batch: ForwardBatch, caches: list[LayerCache], received=None):
+        out = super().forward(batch, caches, received)
+        return out.to(self.lm_head.weight.dtype) if isinstance(out, torch.Tensor) else out
+
+    @property
+    def residual_dtype(self) -> torch.dtype:
+        if getattr(self.hf_config, "residual_in_fp32", True):
+            return torch.float32
+        return super().residual_dtype
 
 
 class MambaForCausalLM(MambaStyleLM):

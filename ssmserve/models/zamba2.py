@@ -272,12 +272,23 @@ class Zamba2ForCausalLM(CausalLM):
     def final_norm(self) -> nn.Module:
         return self.model.final_layernorm
 
-    def forward(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
-        embeds = self.model.embed_tokens(batch.input_ids)
-        hidden = embeds
-        for layer, cache in zip(self.model.layers, caches, strict=True):
-            hidden = layer(hidden, embeds, batch, cache)
+    def forward(self, batch: ForwardBatch, caches: list[LayerCache], received=None):
+        # The shared blocks read the original embeddings at every depth, so a pipeline
+        # stage sends them on with the hidden state.
+        if received is None:
+            hidden = embeds = self.model.embed_tokens(batch.input_ids)
+        else:
+            hidden, embeds = received["hidden"], received["embeds"]
+        for i in self.stage.layers:
+            hidden = self.model.layers[i](hidden, embeds, batch, caches[i])
+        if not self.stage.is_last:
+            return {"hidden": hidden, "embeds": embeds}
         return self.model.final_layernorm(hidden)
+
+    def intermediate_spec(self, num_tokens: int):
+        spec = super().intermediate_spec(num_tokens)
+        spec["embeds"] = ((num_tokens, self.hf_config.hidden_size), self.lm_head.weight.dtype)
+        return spec
 
     def checkpoint_to_param(self, name: str) -> tuple[str, int | None]:
         match = _SHARED_NAME.match(name)

@@ -82,10 +82,14 @@ class Scheduler:
 
     # -- planning ----------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, allow_pending: bool = True) -> StepPlan:
         """Plan the next step. Counters advance here, so the engine can plan a step while
         the previous one is still running: a chunk that reaches the end of its request
-        leaves a pending token, which `update` fills in when it is sampled."""
+        leaves a pending token, which `update` fills in when it is sampled.
+
+        `allow_pending=False` (several steps in a pipeline at once) leaves out requests
+        waiting for a pending token: a request is in one in-flight step at a time.
+        """
         plan = StepPlan()
         budget = self.max_num_batched_tokens
         chunks: dict[str, ScheduledChunk] = {}
@@ -95,6 +99,8 @@ class Scheduler:
                 if budget == 0:
                     break
                 if not request.is_running or request.request_id in chunks:
+                    continue
+                if request.num_pending_tokens and not allow_pending:
                     continue
                 remaining = request.num_tokens - request.num_computed_tokens
                 if remaining == 0 or (remaining == 1) != decodes or self._will_finish(request):

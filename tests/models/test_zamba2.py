@@ -30,6 +30,7 @@ from ssmserve.models.zamba2 import Zamba2ForCausalLM
 from tests.family_checks import (
     check_engine_invariants,
     check_matches_transformers,
+    check_parallel,
     check_tensor_parallel,
     hf_model,
     token_prompts,
@@ -139,6 +140,10 @@ def test_engine_invariants(zamba2):
 
 def test_tensor_parallel_2(zamba2):
     check_tensor_parallel(zamba2("adapters_rope"), PROMPTS, size=2)
+
+
+def test_pipeline_parallel_2_sends_the_embeddings_on(zamba2):
+    check_parallel(zamba2("adapters_rope"), PROMPTS[:3], pp=2)
 
 
 def test_tensor_parallel_3(zamba2):
