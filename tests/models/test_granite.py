@@ -15,6 +15,7 @@ from ssmserve.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from tests.family_checks import (
     check_engine_invariants,
     check_matches_transformers,
+    check_parallel,
     check_tensor_parallel,
     check_triton_matches_torch,
     tiny_checkpoints,
@@ -67,6 +68,11 @@ def test_tensor_parallel_2(checkpoint):
 
 def test_tensor_parallel_3(checkpoint):
     check_tensor_parallel(checkpoint("moe_nope_tied"), PROMPTS[:2], size=3)
+
+
+def test_pipeline_parallel_2_with_tensor_parallel_2(checkpoint):
+    # the embedding multiplier on the first stage, the logits scaling on the last
+    check_parallel(checkpoint("moe_rope"), PROMPTS[:2], tp=2, pp=2)
 
 
 def test_unsupported_position_embedding_is_refused():

@@ -12,6 +12,7 @@ from ssmserve import LLM
 from tests.family_checks import (
     check_engine_invariants,
     check_matches_transformers,
+    check_parallel,
     check_tensor_parallel,
     tiny_checkpoints,
 )
@@ -57,6 +58,10 @@ def test_tensor_parallel_2(checkpoint):
 
 def test_tensor_parallel_3(checkpoint):
     check_tensor_parallel(checkpoint("attn_even_moe_2_top1"), PROMPTS[:2], size=3)
+
+
+def test_pipeline_parallel_2(checkpoint):
+    check_parallel(checkpoint("moe_even_attn_1"), PROMPTS, pp=2)
 
 
 def test_a_missing_expert_tensor_is_named(checkpoint, tmp_path):
