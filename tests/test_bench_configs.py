@@ -31,6 +31,8 @@ PUBLISHED = {
     "zamba2-7b": ("Zamba2ForCausalLM", 7.4e9),
     "nemotron-h-8b": ("NemotronHForCausalLM", 8.1e9),
     "falcon-h1-7b": ("FalconH1ForCausalLM", 7.6e9),
+    "jamba-mini-1.7": ("JambaForCausalLM", 52e9),
+    "granite-4.0-h-tiny": ("GraniteMoeHybridForCausalLM", 7e9),
 }
 
 
@@ -76,6 +78,19 @@ def test_bamba_9b_floors_match_the_published_ones():
     assert state == pytest.approx(62e9, rel=0.02) and kv == pytest.approx(4.7e9, rel=0.03)
     at_256 = floor_s(H200, costs.decode_step_bytes(256, 1536), costs.decode_step_flops(256, 1536))
     assert at_256 == pytest.approx(20e-3, rel=0.03)
+
+
+def test_moe_floors_read_only_the_routed_experts():
+    config, model, _ = _meta_models("jamba-mini-1.7")
+    cfg = config.hf_config
+    costs = model_costs(model, cfg, torch.bfloat16, torch.float32, 16)
+    one_expert = 3 * cfg.hidden_size * cfg.intermediate_size * 2  # gate, up, down in bf16
+    moe_layers = cfg.num_hidden_layers // cfg.expert_layer_period
+    idle = moe_layers * (cfg.num_experts - cfg.num_experts_per_tok) * one_expert
+    assert costs.weights_read_bytes(1) == pytest.approx(costs.weight_bytes - idle)
+    assert costs.weights_read_bytes(8192) == pytest.approx(costs.weight_bytes)
+    # The model card: 12B active parameters (of 52B), embedding and LM head included.
+    assert costs.active_body_params() + 2 * costs.head_params == pytest.approx(12e9, rel=0.02)
 
 
 def _shrunk_bamba_folder(tmp_path: Path) -> Path:

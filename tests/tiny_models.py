@@ -202,6 +202,57 @@ def _hf_config(family: str, vocab_size: int, eos: int, **overrides):
             ssm_multipliers=[0.8, 1.3, 0.7, 1.2, 0.6],
         )
         cls = tf.FalconH1Config
+    elif family == "jamba":
+        # transformers runs experts through torch._grouped_mm, which needs hidden and
+        # intermediate sizes that are multiples of 4 in float32 (16-byte strides).
+        cfg = dict(
+            hidden_size=40,
+            intermediate_size=36,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=5,
+            num_experts_per_tok=2,
+            attn_layer_period=3,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=0,
+            mamba_d_state=10,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_dt_rank=6,
+            use_mamba_kernels=False,
+            tie_word_embeddings=False,
+            max_position_embeddings=4096,
+        )
+        cls = tf.JambaConfig
+    elif family == "granitemoehybrid":
+        cfg = dict(
+            hidden_size=48,
+            intermediate_size=28,
+            shared_intermediate_size=44,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            num_local_experts=5,
+            num_experts_per_tok=2,
+            layer_types=["mamba", "attention", "mamba"],
+            position_embedding_type="rope",
+            mamba_n_heads=6,
+            mamba_d_head=16,
+            mamba_n_groups=1,
+            mamba_d_state=12,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=16,
+            embedding_multiplier=1.6,
+            residual_multiplier=0.7,
+            attention_multiplier=0.3,
+            logits_scaling=1.25,
+            tie_word_embeddings=False,
+            max_position_embeddings=4096,
+        )
+        cls = tf.GraniteMoeHybridConfig
     else:
         raise ValueError(f"unknown family {family!r}")
     cfg.update(common)
@@ -249,6 +300,8 @@ def make_tiny_checkpoint(path: str, family: str = "bamba", seed: int = 0, **over
         "zamba2": tf.Zamba2ForCausalLM,
         "nemotron_h": tf.NemotronHForCausalLM,
         "falcon_h1": tf.FalconH1ForCausalLM,
+        "jamba": tf.JambaForCausalLM,
+        "granitemoehybrid": tf.GraniteMoeHybridForCausalLM,
     }[family]
     torch.manual_seed(seed)
     model = arch(config)

@@ -5,7 +5,10 @@ A decode step reads every weight once (the input embedding table excepted: a loo
 reads one row per token), reads and writes each running request's SSM state (conv and
 SSM state), reads its K/V for the context and writes one new position. A prefill does
 2 FLOPs per weight per token (the LM head only for each sequence's last token) plus
-causal attention. The scan's own FLOPs are left out (a few percent for Mamba2), so the
+causal attention. In a mixture-of-experts layer a forward reads only the experts its
+tokens route to (counted as the expected number of distinct experts under uniform
+routing: top_k for one token, all of them for many) and a token computes with its
+top_k experts only. The scan's own FLOPs are left out (a few percent for Mamba2), so the
 floor errs low. Floor = max(bytes / bandwidth, FLOPs / matrix rate).
 """
 
@@ -74,24 +77,41 @@ class ModelCosts:
     state_bytes_per_seq: int  # conv + SSM state of one request
     kv_bytes_per_token: int  # K and V of one position over all attention layers
     attention_flops_per_pair: float  # FLOPs per (query, key) pair over all attention layers
+    # per mixture-of-experts layer: (experts, top_k, bytes of one expert, params of one)
+    expert_layers: tuple[tuple[int, int, int, int], ...] = ()
+
+    def weights_read_bytes(self, tokens: float) -> float:
+        """Weight bytes a forward over `tokens` tokens reads: all but the experts, and of
+        each MoE layer the distinct experts the tokens route to (expected, uniform)."""
+        routed = sum(
+            per_expert * experts * (1 - (1 - top_k / experts) ** tokens)
+            for experts, top_k, per_expert, _ in self.expert_layers
+        )
+        every = sum(experts * per_expert for experts, _, per_expert, _ in self.expert_layers)
+        return self.weight_bytes - every + routed
+
+    def active_body_params(self) -> int:
+        """Body parameters one token computes with (its top_k experts of each MoE layer)."""
+        idle = sum((e - k) * params for e, k, _, params in self.expert_layers)
+        return self.body_params - idle
 
     def decode_step_bytes(self, batch: int, context: float) -> float:
         """Bytes of one decode step of `batch` requests at `context` tokens each."""
         per_seq = 2 * self.state_bytes_per_seq + self.kv_bytes_per_token * (context + 1)
-        return self.weight_bytes + batch * per_seq
+        return self.weights_read_bytes(batch) + batch * per_seq
 
     def decode_step_flops(self, batch: int, context: float) -> float:
-        per_seq = 2 * (self.body_params + self.head_params)
+        per_seq = 2 * (self.active_body_params() + self.head_params)
         return batch * (per_seq + self.attention_flops_per_pair * (context + 1))
 
     def prefill_bytes(self, batch: int, length: int) -> float:
         """Weights read once; each sequence's final state and its K/V written."""
         per_seq = self.state_bytes_per_seq + self.kv_bytes_per_token * length
-        return self.weight_bytes + batch * per_seq
+        return self.weights_read_bytes(batch * length) + batch * per_seq
 
     def prefill_flops(self, batch: int, length: int) -> float:
         per_seq = (
-            2 * self.body_params * length
+            2 * self.active_body_params() * length
             + 2 * self.head_params
             + self.attention_flops_per_pair * length * (length + 1) / 2
         )
@@ -125,7 +145,23 @@ def model_costs(
         state_bytes_per_seq=per_slot,
         kv_bytes_per_token=int(kv_per_token),
         attention_flops_per_pair=attention_flops,
+        expert_layers=_expert_layers(model),
     )
+
+
+def _expert_layers(model: Any) -> tuple[tuple[int, int, int, int], ...]:
+    """(experts, top_k, bytes of one expert, params of one expert) of each MoE layer."""
+    from ssmserve.layers.moe import FusedMoE
+
+    layers = []
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            weights = (module.experts.up_weight(), module.experts.down_proj)
+            experts = weights[0].shape[0]
+            params = sum(w.numel() for w in weights) // experts
+            per_expert = sum(w.numel() * w.element_size() for w in weights) // experts
+            layers.append((experts, module.routing.top_k, per_expert, params))
+    return tuple(layers)
 
 
 def _cache_bytes(

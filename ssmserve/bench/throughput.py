@@ -115,15 +115,18 @@ def throughput_floor_s(
     """The least seconds for the whole run, however the scheduler mixes prefills and
     decodes: with at most `concurrency` requests at once it takes at least
     ceil(num_prompts / concurrency) x (output_len - 1) decode steps plus one, each reading
-    every weight; on top, every request's state and K/V traffic and every FLOP. Floor =
-    max(all bytes / bandwidth, all FLOPs / matrix rate)."""
+    every weight (of a mixture of experts, those a full batch routes to); on top, every
+    request's state and K/V traffic and every FLOP. Floor = max(all bytes / bandwidth,
+    all FLOPs / matrix rate)."""
     if peaks is None:
         return None
     steps = math.ceil(num_prompts / concurrency) * (output_len - 1) + 1
     context = input_len + output_len / 2
-    decode_bytes = costs.decode_step_bytes(1, context) - costs.weight_bytes
-    prefill_bytes = costs.prefill_bytes(1, input_len) - costs.weight_bytes
-    num_bytes = steps * costs.weight_bytes + num_prompts * (
+    one_token = costs.weights_read_bytes(1)
+    decode_bytes = costs.decode_step_bytes(1, context) - one_token
+    prefill_bytes = costs.prefill_bytes(1, input_len) - costs.weights_read_bytes(input_len)
+    step_weights = costs.weights_read_bytes(min(concurrency, num_prompts))
+    num_bytes = steps * step_weights + num_prompts * (
         prefill_bytes + (output_len - 1) * decode_bytes
     )
     flops = num_prompts * (

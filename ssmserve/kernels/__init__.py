@@ -28,6 +28,7 @@ _OPS: dict[str, tuple[str, str]] = {
     "gated_rms_norm": ("gated_rms_norm", "gated_rms_norm"),
     "write_kv_cache": ("paged_attention", "write_kv_cache"),
     "paged_attention": ("paged_attention", "paged_attention"),
+    "fused_moe": ("moe", "fused_moe"),
 }
 # What "hopper" runs instead of the Triton-language op: field -> (module, function).
 _HOPPER_OPS: dict[str, tuple[str, str]] = {
@@ -53,6 +54,7 @@ class KernelOps:
     gated_rms_norm: Callable[..., torch.Tensor]
     write_kv_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+    fused_moe: Callable[..., torch.Tensor]
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:

@@ -140,7 +140,11 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with input features split over ranks by `columns`; the partial
-    products are summed over the ranks (all-reduce) and the bias is added once after."""
+    products are summed over the ranks (all-reduce) and the bias is added once after.
+
+    With `reduce_results=False` each rank returns its partial product (rank 0 adds the
+    bias), for a caller that adds other partial sums before one all-reduce.
+    """
 
     def __init__(
         self,
@@ -149,9 +153,11 @@ class RowParallelLinear(nn.Module):
         tp: TensorParallel,
         bias: bool = False,
         columns: Segment | None = None,
+        reduce_results: bool = True,
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.reduce_results = reduce_results
         cols = columns or Segment.even(in_features, tp)
         self.weight = nn.Parameter(torch.zeros(out_features, len(cols.rows)), requires_grad=False)
         self.weight.columns = cols
@@ -161,6 +167,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.linear(x, self.weight, self.bias)
+        if not self.reduce_results:
+            return F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
         y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 

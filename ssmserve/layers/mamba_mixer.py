@@ -1,4 +1,5 @@
-"""Mamba1 mixer (selective scan), with FalconMamba's weightless norms on B, C and dt."""
+"""Mamba1 mixer (selective scan), with RMS norms on dt, B and C: weightless (FalconMamba)
+or with weights (Jamba)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,18 @@ from ssmserve.layers.linear import (
     row_sharded_parameter,
 )
 from ssmserve.layers.mamba2_mixer import conv_activation
-from ssmserve.layers.norm import rms_normalize
+from ssmserve.layers.norm import RMSNorm, rms_normalize
 
 
 class MambaMixer(nn.Module):
     """Parameter names follow HF (in_proj, conv1d, x_proj, dt_proj, A_log, D, out_proj).
 
     Tensor parallelism splits the inner channels (any split: channels are independent);
-    x_proj is row-parallel, so every rank gets the whole dt, B and C after its all-reduce.
+    x_proj is row-parallel, so every rank gets the whole dt, B and C after its all-reduce
+    (and the dt/B/C norms are replicated).
+
+    `bcdt_rms_eps` normalises dt, B and C (before dt_proj); with `bcdt_norm_weights` the
+    norms have weights, named as in HF's Jamba (dt_layernorm, b_layernorm, c_layernorm).
     """
 
     def __init__(
@@ -40,6 +45,7 @@ class MambaMixer(nn.Module):
         use_bias: bool = False,
         use_conv_bias: bool = True,
         bcdt_rms_eps: float | None = None,
+        bcdt_norm_weights: bool = False,
     ) -> None:
         super().__init__()
         self.tp, self.ops = tp, ops
@@ -54,7 +60,14 @@ class MambaMixer(nn.Module):
         self.state_size = state_size
         self.conv_kernel = conv_kernel
         self.time_step_rank = time_step_rank
-        self.bcdt_rms_eps = bcdt_rms_eps  # FalconMamba: normalise B, C, dt
+        self.bcdt_rms_eps = bcdt_rms_eps
+        self.bcdt_norm_weights = bcdt_norm_weights
+        if bcdt_norm_weights:
+            if bcdt_rms_eps is None:
+                raise ValueError("weighted dt/B/C norms need their epsilon (bcdt_rms_eps)")
+            self.dt_layernorm = RMSNorm(time_step_rank, bcdt_rms_eps)
+            self.b_layernorm = RMSNorm(state_size, bcdt_rms_eps)
+            self.c_layernorm = RMSNorm(state_size, bcdt_rms_eps)
         self.in_proj = ColumnParallelLinear(hidden_size, [channels, channels], use_bias)
         self.conv1d = nn.Module()
         self.conv1d.weight = row_sharded_parameter([channels], 1, conv_kernel)
@@ -148,7 +161,9 @@ class MambaMixer(nn.Module):
         dt, B, C = self.x_proj(u).split(
             [self.time_step_rank, self.state_size, self.state_size], dim=-1
         )
-        if self.bcdt_rms_eps is not None:
+        if self.bcdt_norm_weights:
+            dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
+        elif self.bcdt_rms_eps is not None:
             dt = rms_normalize(dt, self.bcdt_rms_eps)
             B = rms_normalize(B, self.bcdt_rms_eps)
             C = rms_normalize(C, self.bcdt_rms_eps)

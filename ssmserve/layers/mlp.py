@@ -11,7 +11,8 @@ from ssmserve.layers.linear import ColumnParallelLinear, RowParallelLinear, Segm
 
 
 class GatedMLP(nn.Module):
-    """gate and up fused in one column-parallel matrix (shards 0 and 1), down row-parallel."""
+    """gate and up fused in one column-parallel matrix (shards 0 and 1), down row-parallel
+    (`reduce_results=False`: this rank's partial sum, see RowParallelLinear)."""
 
     def __init__(
         self,
@@ -20,13 +21,19 @@ class GatedMLP(nn.Module):
         tp: TensorParallel,
         act: str = "silu",
         bias: bool = False,
+        reduce_results: bool = True,
     ) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear.even(
             hidden_size, [intermediate_size, intermediate_size], tp, bias
         )
         self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, tp, bias, columns=Segment.even(intermediate_size, tp)
+            intermediate_size,
+            hidden_size,
+            tp,
+            bias,
+            columns=Segment.even(intermediate_size, tp),
+            reduce_results=reduce_results,
         )
         self.act = ACT2FN[act]
 
@@ -50,10 +57,13 @@ class MLP(nn.Module):
         tp: TensorParallel,
         act: str,
         bias: bool = False,
+        reduce_results: bool = True,
     ) -> None:
         super().__init__()
         self.up_proj = ColumnParallelLinear.even(hidden_size, [intermediate_size], tp, bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp, bias)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, tp, bias, reduce_results=reduce_results
+        )
         self.act = ACT2FN[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

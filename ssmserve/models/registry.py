@@ -13,6 +13,8 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Zamba2ForCausalLM": ("zamba2", "Zamba2ForCausalLM"),
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
     "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
+    "JambaForCausalLM": ("jamba", "JambaForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
 }
 
 

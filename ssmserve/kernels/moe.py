@@ -1,0 +1,382 @@
+"""Fused mixture-of-experts MLP over routed tokens.
+
+Each token t goes to `top_k` experts (topk_ids[t]) with weights (topk_weights[t]); its
+output is sum_k weight[t, k] * expert_k(x[t]), where an expert is
+
+    gated:      down(act(gate(x)) * up(x))      w13 = [gate; up] stacked: [E, 2I, H]
+    non-gated:  down(act(up(x)))                w13 = up: [E, I, H]
+
+and down is w2 [E, H, I]. Under tensor parallelism I is this rank's share of each
+expert's intermediate dim and the result is a partial sum (the caller all-reduces).
+
+The Triton path sorts the (token, k) assignments by expert on the device (a sort and a
+few cumulative sums, no host sync, shapes fixed by T, K and E so CUDA graphs replay it)
+into blocks of BLOCK_M rows that all belong to one expert, then runs two grouped GEMMs:
+gate/up with the activation and gating fused, and down with the routing weight fused.
+The K output rows of a token are summed in a fixed order, with no atomics: results are
+the same run to run, and within a launch configuration a token's result does not depend
+on which other tokens share its expert's blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ssmserve.kernels._common import check_shape, interpret_mode, launch_config, lazy_jit, tl
+
+# Expert activations: name -> the Triton kernels' code.
+ACTIVATIONS = {"silu": 0, "gelu": 1, "relu2": 2}
+
+
+def _act_ref(h: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return F.silu(h)
+    if activation == "gelu":
+        return F.gelu(h)
+    return torch.relu(h).square()
+
+
+def _check_moe_args(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str,
+    gated: bool,
+) -> tuple[int, int, int, int, int]:
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"expert activation {activation!r} is not supported; use one of "
+            f"{', '.join(sorted(ACTIVATIONS))}"
+        )
+    check_shape("x", x, [None, None])
+    T, H = x.shape
+    check_shape("w13", w13, [None, None, H])
+    E = w13.shape[0]
+    if gated and w13.shape[1] % 2:
+        raise ValueError(
+            f"gated experts stack gate and up: w13 needs an even dim 1, got {w13.shape}"
+        )
+    I = w13.shape[1] // 2 if gated else w13.shape[1]  # noqa: E741
+    check_shape("w2", w2, [E, H, I])
+    check_shape("topk_ids", topk_ids, [T, None])
+    K = topk_ids.shape[1]
+    check_shape("topk_weights", topk_weights, [T, K])
+    return T, H, E, I, K
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    gated: bool = True,
+) -> torch.Tensor:
+    """Routed expert MLPs in PyTorch: the reference the Triton kernel is tested against.
+
+    Each expert's projections run in x.dtype over the tokens routed to it (as
+    transformers does); the weighted per-assignment outputs are summed over k in float32.
+
+    Args:
+        x: [T, H]. w13: [E, 2I, H] (gate rows, then up rows) if gated, else [E, I, H].
+        w2: [E, H, I]. topk_weights: [T, K] (float32). topk_ids: [T, K] expert ids.
+        activation: "silu", "gelu" or "relu2" (squared ReLU).
+
+    Returns:
+        [T, H] in x.dtype.
+    """
+    T, H, E, I, K = _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, gated)
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=E).tolist()
+    out = torch.zeros(T * K, H, dtype=torch.float32, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = order[start : start + count]
+        start += count
+        h = F.linear(x[rows // K], w13[expert])
+        if gated:
+            gate, up = h.split(I, dim=-1)
+            h = _act_ref(gate, activation) * up
+        else:
+            h = _act_ref(h, activation)
+        y = F.linear(h, w2[expert]).float()
+        out[rows] = y * topk_weights.reshape(-1)[rows, None].float()
+    return out.view(T, K, H).sum(1).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------- Triton
+
+
+def align_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the T*K assignments by expert into blocks of `block_m` rows, on the device.
+
+    Returns:
+        sorted_rows: [num_blocks * block_m] int32 assignment ids (t * K + k), expert by
+            expert, each expert's run padded to a multiple of block_m with T*K (no row).
+        block_expert: [num_blocks] int32 expert of each block; num_experts for blocks
+            past the last expert's run (nothing to do).
+
+    num_blocks = ceil(T*K / block_m) + min(E, T*K) bounds the blocks any routing needs,
+    so the shapes depend only on T, K and E.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_rows = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    rank = torch.arange(num_rows, device=device) - (torch.cumsum(counts, 0) - counts)[expert_of]
+    dest = (padded_end - padded)[expert_of] + rank
+    num_blocks = -(-num_rows // block_m) + min(num_experts, num_rows)
+    sorted_rows = torch.full((num_blocks * block_m,), num_rows, dtype=torch.int32, device=device)
+    sorted_rows[dest] = order.to(torch.int32)
+    block_start = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, block_start, right=True, out_int32=True)
+    return sorted_rows, block_expert
+
+
+@lazy_jit
+def _moe_up_kernel(
+    x_ptr,
+    w_ptr,
+    inter_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    num_rows,
+    top_k,
+    hidden,
+    inter_size,
+    num_experts,
+    stride_x_t,
+    stride_x_h,
+    stride_w_e,
+    stride_w_n,
+    stride_w_h,
+    stride_i_r,
+    stride_i_n,
+    GATED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """inter[row, n] = act(x[tok] . gate[e, n]) * (x[tok] . up[e, n]) for one block of rows
+    of expert e and BLOCK_N intermediate channels."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= num_experts:
+        return
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_rows_ptr + offs_m)
+    row_ok = rows < num_rows
+    tokens = (rows // top_k).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter_size
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens[:, None] * stride_x_t + offs_k[None, :] * stride_x_h
+    w_ptrs = (
+        w_ptr + expert * stride_w_e + offs_n[None, :] * stride_w_n + offs_k[:, None] * stride_w_h
+    )
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = offs_k < hidden - k0
+        xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        wt = tl.load(w_ptrs, mask=w_mask, other=0.0).to(DOT_DTYPE)
+        acc = tl.dot(xt, wt, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            wu = tl.load(w_ptrs + inter_size * stride_w_n, mask=w_mask, other=0.0).to(DOT_DTYPE)
+            acc_up = tl.dot(xt, wu, acc_up, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_x_h
+        w_ptrs += BLOCK_K * stride_w_h
+    if ACTIVATION == 0:
+        h = acc / (1.0 + tl.exp(-acc))
+    elif ACTIVATION == 1:
+        h = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
+    else:
+        h = tl.maximum(acc, 0.0)
+        h = h * h
+    if GATED:
+        h = h * acc_up
+    out_ptrs = inter_ptr + rows[:, None].to(tl.int64) * stride_i_r + offs_n[None, :] * stride_i_n
+    tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@lazy_jit
+def _moe_down_kernel(
+    inter_ptr,
+    w_ptr,
+    out_ptr,
+    weights_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    num_rows,
+    hidden,
+    inter_size,
+    num_experts,
+    stride_i_r,
+    stride_i_n,
+    stride_w_e,
+    stride_w_h,
+    stride_w_n,
+    stride_o_r,
+    stride_o_h,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[row, h] = weight[row] * (inter[row] . down[e, h]) for one block of rows of
+    expert e and BLOCK_N hidden channels."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert >= num_experts:
+        return
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_rows_ptr + offs_m)
+    row_ok = rows < num_rows
+    rows64 = rows.to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = inter_ptr + rows64[:, None] * stride_i_r + offs_k[None, :] * stride_i_n
+    w_ptrs = (
+        w_ptr + expert * stride_w_e + offs_n[None, :] * stride_w_h + offs_k[:, None] * stride_w_n
+    )
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        k_ok = offs_k < inter_size - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+        wt = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(DOT_DTYPE)
+        acc = tl.dot(a, wt, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_i_n
+        w_ptrs += BLOCK_K * stride_w_n
+    weight = tl.load(weights_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * weight[:, None]
+    out_ptrs = out_ptr + rows64[:, None] * stride_o_r + offs_n[None, :] * stride_o_h
+    tl.store(out_ptrs, acc, mask=row_ok[:, None] & n_ok[None, :])
+
+
+# Defaults by the mean number of rows per expert (T*K / E), up to the first field:
+# (block_m, block_n, block_k, num_warps, num_stages). Decode (a few rows per expert)
+# streams weights through narrow tiles; prefill uses wide tiles. Not measured yet:
+# benchmarks/kernels/bench_moe.py sweeps them against the weight-read floor.
+_LAUNCH_TABLE: tuple[tuple[float, int, int, int, int, int], ...] = (
+    (16, 16, 64, 128, 4, 3),
+    (64, 32, 64, 64, 4, 3),
+    (float("inf"), 64, 128, 64, 8, 3),
+)
+
+
+def moe_launch_config(
+    num_rows: int, num_experts: int, config: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Launch parameters for `num_rows` (T*K) assignments over `num_experts`, `config`
+    overriding the defaults (benchmarks/kernels/bench_moe.py sweeps them).
+
+    block_m: assignment rows per block (each block belongs to one expert); block_n:
+        output channels per program; block_k: reduction step; num_warps, num_stages.
+    """
+    per_expert = num_rows / num_experts
+    row = next(r for r in _LAUNCH_TABLE if per_expert <= r[0])
+    keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+    return launch_config("fused_moe", dict(zip(keys, row[1:], strict=True)), config)
+
+
+def fused_moe_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    gated: bool = True,
+    config: Mapping[str, Any] | None = None,
+) -> torch.Tensor:
+    """Triton twin of `fused_moe_ref` (same arguments, shapes and result). No host sync:
+    safe under CUDA graphs. `config` overrides launch parameters (see
+    `moe_launch_config`; benchmarks and tests only)."""
+    T, H, E, I, K = _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, gated)
+    if T == 0:
+        return torch.zeros_like(x)
+    num_rows = T * K
+    cfg = moe_launch_config(num_rows, E, config)
+    block_m, block_n, block_k = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    if x.dtype == torch.float32 or interpret_mode():
+        # The interpreter mis-computes 16-bit tl.dot; float32 there is also more exact.
+        dot_dtype, precision = tl.float32, "ieee"
+    else:
+        dot_dtype = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
+        precision = "tf32"
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    sorted_rows, block_expert = align_by_expert(topk_ids, E, block_m)
+    num_blocks = block_expert.shape[0]
+    inter = torch.empty(num_rows, I, dtype=x.dtype, device=x.device)
+    _moe_up_kernel[(num_blocks, -(-I // block_n))](
+        x,
+        w13,
+        inter,
+        sorted_rows,
+        block_expert,
+        num_rows,
+        K,
+        H,
+        I,
+        E,
+        *x.stride(),
+        *w13.stride(),
+        *inter.stride(),
+        GATED=gated,
+        ACTIVATION=ACTIVATIONS[activation],
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION=precision,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        **launch,
+    )
+    out = torch.empty(num_rows, H, dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1)
+    _moe_down_kernel[(num_blocks, -(-H // block_n))](
+        inter,
+        w2,
+        out,
+        weights,
+        sorted_rows,
+        block_expert,
+        num_rows,
+        H,
+        I,
+        E,
+        *inter.stride(),
+        *w2.stride(),
+        *out.stride(),
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION=precision,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        **launch,
+    )
+    return out.view(T, K, H).sum(1).to(x.dtype)
