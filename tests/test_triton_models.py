@@ -1,9 +1,13 @@
-"""Whole models through the Triton kernels (TRITON_INTERPRET=1 on CPU) give the same greedy
-tokens as through the PyTorch twins, with chunked prefill, decode and a batch."""
+"""Whole models through the Triton kernels give the same greedy tokens as through the
+PyTorch twins (float32), with chunked prefill, decode and a batch: compiled on a CUDA GPU,
+in the interpreter (TRITON_INTERPRET=1) on a machine without one."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
+import torch
 
 from ssmserve import LLM, SamplingParams
 from tests.triton_interpreter import interpreter_mode
@@ -11,10 +15,14 @@ from tests.triton_interpreter import interpreter_mode
 pytest.importorskip("triton", reason="triton is not installed")
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @pytest.fixture(autouse=True, scope="module")
 def triton_interpreter():
-    """The models run on the CPU here, so their Triton kernels run in the interpreter."""
-    with interpreter_mode():
+    """Without a GPU the models run on the CPU, so their Triton kernels run in the
+    interpreter; with one they compile (and the interpreter is left alone)."""
+    with interpreter_mode() if DEVICE == "cpu" else contextlib.nullcontext():
         yield
 
 
@@ -33,8 +41,9 @@ def test_triton_backend_matches_torch_backend(checkpoint, variant):
     prompts, max_tokens = CASES[variant]
     path = checkpoint(variant)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
-    ref = LLM(path, device="cpu", kernel_backend="torch").generate(prompts, params)
-    llm = LLM(path, device="cpu", kernel_backend="triton", max_num_batched_tokens=5)
+    common = dict(device=DEVICE, dtype="float32", enforce_eager=True)
+    ref = LLM(path, kernel_backend="torch", **common).generate(prompts, params)
+    llm = LLM(path, kernel_backend="triton", max_num_batched_tokens=5, **common)
     assert llm.llm_engine.executor.runner.cache_specs
     got = llm.generate(prompts, params)
     for a, b in zip(ref, got):
