@@ -41,7 +41,7 @@ def test_triton_backend_matches_torch_backend(checkpoint, variant):
     prompts, max_tokens = CASES[variant]
     path = checkpoint(variant)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
-    common = dict(device=DEVICE, dtype="float32", enforce_eager=True)
+    common = dict(device=DEVICE, dtype="float32", enforce_eager=True, cache_memory=2**28)
     ref = LLM(path, kernel_backend="torch", **common).generate(prompts, params)
     llm = LLM(path, kernel_backend="triton", max_num_batched_tokens=5, **common)
     assert llm.llm_engine.executor.runner.cache_specs
