@@ -17,9 +17,8 @@ import uvicorn
 
 from ssmserve.config import EngineConfig
 from ssmserve.engine.engine import LLMEngine
-from ssmserve.server.app import build_app
+from ssmserve.server.app import DrainingServer, build_app
 from ssmserve.server.async_engine import AsyncLLMEngine
-from ssmserve.server.cli import DrainingServer
 from ssmserve.server.options import ServerOptions
 
 MODEL_NAME = "tiny-bamba"
