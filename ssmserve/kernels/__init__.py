@@ -26,6 +26,8 @@ _OPS: dict[str, tuple[str, str]] = {
     "causal_conv1d_varlen": ("causal_conv1d", "causal_conv1d_varlen"),
     "causal_conv1d_update": ("causal_conv1d", "causal_conv1d_update"),
     "gated_rms_norm": ("gated_rms_norm", "gated_rms_norm"),
+    "rotary_embedding": ("rotary", "rotary_embedding"),
+    "act_and_mul": ("activation", "act_and_mul"),
     "write_kv_cache": ("paged_attention", "write_kv_cache"),
     "paged_attention": ("paged_attention", "paged_attention"),
     "fused_moe": ("moe", "fused_moe"),
@@ -52,6 +54,8 @@ class KernelOps:
     causal_conv1d_varlen: Callable[..., torch.Tensor]
     causal_conv1d_update: Callable[..., torch.Tensor]
     gated_rms_norm: Callable[..., torch.Tensor]
+    rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    act_and_mul: Callable[..., torch.Tensor]
     write_kv_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
     fused_moe: Callable[..., torch.Tensor]

@@ -83,7 +83,9 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.rotary is not None:
-            q, k = self.rotary(batch.positions, q, k)
+            q, k = self.ops.rotary_embedding(
+                batch.positions, q, k, self.rotary.inv_freq, scaling=self.rotary.attention_scaling
+            )
         self.ops.write_kv_cache(k, v, cache.k, cache.v, batch.slot_mapping)
         # Head dims the fused kernels take (flash and memory-efficient attention).
         fusable = q.is_cuda and self.head_dim % 8 == 0 and self.head_dim <= 256

@@ -65,9 +65,9 @@ class MambaMixer(nn.Module):
         if bcdt_norm_weights:
             if bcdt_rms_eps is None:
                 raise ValueError("weighted dt/B/C norms need their epsilon (bcdt_rms_eps)")
-            self.dt_layernorm = RMSNorm(time_step_rank, bcdt_rms_eps)
-            self.b_layernorm = RMSNorm(state_size, bcdt_rms_eps)
-            self.c_layernorm = RMSNorm(state_size, bcdt_rms_eps)
+            self.dt_layernorm = RMSNorm(time_step_rank, bcdt_rms_eps, ops=ops)
+            self.b_layernorm = RMSNorm(state_size, bcdt_rms_eps, ops=ops)
+            self.c_layernorm = RMSNorm(state_size, bcdt_rms_eps, ops=ops)
         self.in_proj = ColumnParallelLinear(hidden_size, [channels, channels], use_bias)
         self.conv1d = nn.Module()
         self.conv1d.weight = row_sharded_parameter([channels], 1, conv_kernel)

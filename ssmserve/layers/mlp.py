@@ -7,6 +7,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from ssmserve.distributed.parallel import TensorParallel
+from ssmserve.kernels import KernelOps
+from ssmserve.kernels.activation import ACTIVATIONS
 from ssmserve.layers.linear import ColumnParallelLinear, RowParallelLinear, Segment
 
 
@@ -22,8 +24,12 @@ class GatedMLP(nn.Module):
         act: str = "silu",
         bias: bool = False,
         reduce_results: bool = True,
+        ops: KernelOps | None = None,
     ) -> None:
         super().__init__()
+        # With `ops`, act(gate) * up is one fused op (the activations it knows).
+        self.fused_act = ops.act_and_mul if ops is not None and act in ACTIVATIONS else None
+        self.act_name = act
         self.gate_up_proj = ColumnParallelLinear.even(
             hidden_size, [intermediate_size, intermediate_size], tp, bias
         )
@@ -43,6 +49,8 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if gate_up_delta is not None:
             gate_up = gate_up + gate_up_delta
+        if self.fused_act is not None:
+            return self.down_proj(self.fused_act(gate_up, act=self.act_name))
         gate, up = gate_up.split(self.gate_up_proj.output_sizes, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

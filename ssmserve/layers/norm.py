@@ -5,14 +5,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ssmserve.kernels import KernelOps
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    """With `ops`, the kernel set's RMSNorm (gated_rms_norm without a gate: one kernel on
+    the GPU); without, the PyTorch expression below. Both round as transformers does."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, ops: KernelOps | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and x.dtype == torch.promote_types(x.dtype, self.weight.dtype):
+            return self.ops.gated_rms_norm(x, self.weight, eps=self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -7,7 +7,8 @@ from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin from `inv_freq` (computed by transformers' own RoPE init for the config)."""
+    """The frequencies (`inv_freq`, from transformers' own RoPE init for the config) and
+    scaling of a model's RoPE; attention applies them with the `rotary_embedding` op."""
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
         super().__init__()
@@ -32,20 +33,3 @@ class RotaryEmbedding(nn.Module):
             return cls(inv_freq)
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
         return cls(inv_freq, scaling)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k [T, KVH, D], positions [T] -> rotated q, k."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(q.dtype)[:, None, :]
-        sin = (emb.sin() * self.attention_scaling).to(q.dtype)[:, None, :]
-        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
-    x_rot, x_pass = x[..., :dim], x[..., dim:]
-    half = dim // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)

@@ -31,18 +31,19 @@ class BambaDecoderLayer(nn.Module):
     def __init__(self, cfg, kind: str, ctx: ModelContext, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.kind = kind
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ctx.ops)
         if kind == "attention":
             self.self_attn = llama_attention(cfg, ctx, rotary)
         else:
             self.mamba = bamba_style_mamba2(cfg, ctx)
-        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ctx.ops)
         self.feed_forward = GatedMLP(
             cfg.hidden_size,
             cfg.intermediate_size,
             ctx.tp,
             cfg.hidden_act,
             bias=getattr(cfg, "mlp_bias", False),
+            ops=ctx.ops,
         )
 
     def cache_spec(self) -> LayerCacheSpec:
@@ -72,7 +73,9 @@ class BambaForCausalLM(CausalLM):
         self.model.layers = nn.ModuleList(
             BambaDecoderLayer(hf_config, kind, ctx, rotary) for kind in layer_kinds(hf_config)
         )
-        self.model.final_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.model.final_layernorm = RMSNorm(
+            hf_config.hidden_size, hf_config.rms_norm_eps, ops=ctx.ops
+        )
         self.lm_head = self.make_lm_head(hf_config.vocab_size, hf_config.hidden_size)
 
     def input_embeddings(self) -> VocabParallelEmbedding:

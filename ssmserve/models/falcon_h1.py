@@ -95,10 +95,10 @@ def _attention(cfg, ctx: ModelContext, rotary: RotaryEmbedding) -> Attention:
 class FalconH1DecoderLayer(nn.Module):
     def __init__(self, cfg, ctx: ModelContext, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ctx.ops)
         self.mamba = _mamba(cfg, ctx)
         self.self_attn = _attention(cfg, ctx, rotary)
-        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ctx.ops)
         self.feed_forward = FalconH1MLP(cfg, ctx.tp)
         self.ssm_in_multiplier = float(cfg.ssm_in_multiplier)
         self.ssm_out_multiplier = float(cfg.ssm_out_multiplier)
@@ -130,7 +130,9 @@ class FalconH1ForCausalLM(CausalLM):
         self.model.layers = nn.ModuleList(
             FalconH1DecoderLayer(hf_config, ctx, rotary) for _ in range(hf_config.num_hidden_layers)
         )
-        self.model.final_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.model.final_layernorm = RMSNorm(
+            hf_config.hidden_size, hf_config.rms_norm_eps, ops=ctx.ops
+        )
         self.lm_head = self.make_lm_head(hf_config.vocab_size, hf_config.hidden_size)
         self.lm_head_multiplier = float(hf_config.lm_head_multiplier)
 

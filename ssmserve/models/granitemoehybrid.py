@@ -84,7 +84,7 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         super().__init__()
         self.kind, self.tp = kind, ctx.tp
         self.residual_multiplier = cfg.residual_multiplier
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ctx.ops)
         if kind == "attention":
             heads = cfg.num_attention_heads
             self.self_attn = Attention(
@@ -100,7 +100,7 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
             )
         else:
             self.mamba = bamba_style_mamba2(cfg, ctx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ctx.ops)
         # With experts, routed and shared outputs are partial sums under TP, reduced once.
         self.block_sparse_moe = None
         if cfg.num_local_experts > 0:
@@ -120,6 +120,7 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
             ctx.tp,
             cfg.hidden_act,
             reduce_results=self.block_sparse_moe is None,
+            ops=ctx.ops,
         )
 
     def cache_spec(self) -> LayerCacheSpec:
@@ -157,7 +158,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
             GraniteMoeHybridDecoderLayer(hf_config, kind, ctx, rotary)
             for kind in layer_kinds(hf_config)
         )
-        self.model.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.model.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ops=ctx.ops)
         self.lm_head = self.make_lm_head(hf_config.vocab_size, hf_config.hidden_size)
 
     def input_embeddings(self) -> VocabParallelEmbedding:

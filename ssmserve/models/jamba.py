@@ -33,7 +33,7 @@ class JambaDecoderLayer(nn.Module):
     def __init__(self, cfg, kind: str, moe: bool, ctx: ModelContext) -> None:
         super().__init__()
         self.kind = kind
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ctx.ops)
         if kind == "attention":
             self.self_attn = llama_attention(cfg, ctx, rotary=None)
         else:
@@ -51,7 +51,7 @@ class JambaDecoderLayer(nn.Module):
                 bcdt_rms_eps=cfg.rms_norm_eps,
                 bcdt_norm_weights=True,
             )
-        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ctx.ops)
         if moe:
             self.feed_forward = FusedMoE(
                 hidden_size=cfg.hidden_size,
@@ -64,7 +64,7 @@ class JambaDecoderLayer(nn.Module):
             )
         else:
             self.feed_forward = GatedMLP(
-                cfg.hidden_size, cfg.intermediate_size, ctx.tp, cfg.hidden_act
+                cfg.hidden_size, cfg.intermediate_size, ctx.tp, cfg.hidden_act, ops=ctx.ops
             )
 
     def cache_spec(self) -> LayerCacheSpec:
@@ -93,7 +93,9 @@ class JambaForCausalLM(ExpertCheckpointNames, CausalLM):
         self.model.layers = nn.ModuleList(
             JambaDecoderLayer(hf_config, kind, moe, ctx) for kind, moe in layer_pattern(hf_config)
         )
-        self.model.final_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.model.final_layernorm = RMSNorm(
+            hf_config.hidden_size, hf_config.rms_norm_eps, ops=ctx.ops
+        )
         self.lm_head = self.make_lm_head(hf_config.vocab_size, hf_config.hidden_size)
 
     def input_embeddings(self) -> VocabParallelEmbedding:

@@ -17,15 +17,16 @@ from ssmserve.models.base import GATE_UP_RULES, QKV_RULES, CausalLM, ModelContex
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg, ctx: ModelContext, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ctx.ops)
         self.self_attn = llama_attention(cfg, ctx, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ctx.ops)
         self.mlp = GatedMLP(
             cfg.hidden_size,
             cfg.intermediate_size,
             ctx.tp,
             cfg.hidden_act,
             bias=getattr(cfg, "mlp_bias", False),
+            ops=ctx.ops,
         )
 
     def cache_spec(self) -> LayerCacheSpec:
@@ -49,7 +50,7 @@ class LlamaForCausalLM(CausalLM):
         self.model.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, ctx, rotary) for _ in range(hf_config.num_hidden_layers)
         )
-        self.model.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.model.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ops=ctx.ops)
         self.lm_head = self.make_lm_head(hf_config.vocab_size, hf_config.hidden_size)
 
     def input_embeddings(self) -> VocabParallelEmbedding:

@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 
+from ssmserve.kernels import KernelOps
 from ssmserve.layers.batch import ForwardBatch
 from ssmserve.layers.cache import LayerCache, LayerCacheSpec
 from ssmserve.layers.embed import VocabParallelEmbedding
@@ -22,10 +23,10 @@ from ssmserve.models.base import CausalLM, ModelContext
 class ResidualMixerBlock(nn.Module):
     """norm -> mixer -> + residual, as HF's Mamba/Mamba2 blocks do."""
 
-    def __init__(self, cfg, mixer: nn.Module) -> None:
+    def __init__(self, cfg, mixer: nn.Module, ops: KernelOps) -> None:
         super().__init__()
         self.residual_in_fp32 = getattr(cfg, "residual_in_fp32", True)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, ops=ops)
         self.mixer = mixer
 
     def cache_spec(self) -> LayerCacheSpec:
@@ -48,10 +49,12 @@ class MambaStyleLM(CausalLM):
             hf_config.vocab_size, hf_config.hidden_size, ctx.tp
         )
         self.backbone.layers = nn.ModuleList(
-            ResidualMixerBlock(hf_config, self.make_mixer(hf_config, ctx))
+            ResidualMixerBlock(hf_config, self.make_mixer(hf_config, ctx), ctx.ops)
             for _ in range(hf_config.num_hidden_layers)
         )
-        self.backbone.norm_f = RMSNorm(hf_config.hidden_size, hf_config.layer_norm_epsilon)
+        self.backbone.norm_f = RMSNorm(
+            hf_config.hidden_size, hf_config.layer_norm_epsilon, ops=ctx.ops
+        )
         self.lm_head = self.make_lm_head(hf_config.vocab_size, hf_config.hidden_size)
 
     def make_mixer(self, cfg, ctx: ModelContext) -> nn.Module:

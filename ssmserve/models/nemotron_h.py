@@ -97,7 +97,7 @@ class NemotronHBlock(nn.Module):
     def __init__(self, cfg, block_type: str, ctx: ModelContext) -> None:
         super().__init__()
         self.cache_kind = _CACHE.get(block_type)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, ops=ctx.ops)
         self.mixer = MIXERS[block_type](cfg, ctx)
 
     def cache_spec(self) -> LayerCacheSpec:
@@ -127,7 +127,9 @@ class NemotronHForCausalLM(CausalLM):
         self.backbone.layers = nn.ModuleList(
             NemotronHBlock(hf_config, kind, ctx) for kind in block_types(hf_config)
         )
-        self.backbone.norm_f = RMSNorm(hf_config.hidden_size, hf_config.layer_norm_epsilon)
+        self.backbone.norm_f = RMSNorm(
+            hf_config.hidden_size, hf_config.layer_norm_epsilon, ops=ctx.ops
+        )
         self.lm_head = self.make_lm_head(hf_config.vocab_size, hf_config.hidden_size)
 
     def input_embeddings(self) -> VocabParallelEmbedding:

@@ -130,7 +130,12 @@ class Zamba2MLP(GatedMLP):
 
     def __init__(self, cfg, ctx: ModelContext, uses) -> None:
         super().__init__(
-            cfg.hidden_size, cfg.intermediate_size, ctx.tp, cfg.hidden_act, cfg.add_bias_linear
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            ctx.tp,
+            cfg.hidden_act,
+            cfg.add_bias_linear,
+            ops=ctx.ops,
         )
         segments = self.gate_up_proj.segments
         self.gate_up_proj_adapter_list = _per_use(
@@ -147,9 +152,9 @@ class Zamba2SharedBlock(nn.Module):
 
     def __init__(self, cfg, ctx: ModelContext, rotary: RotaryEmbedding | None, uses) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(2 * cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(2 * cfg.hidden_size, cfg.rms_norm_eps, ops=ctx.ops)
         self.self_attn = Zamba2Attention(cfg, ctx, rotary, uses)
-        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ctx.ops)
         self.feed_forward = Zamba2MLP(cfg, ctx, uses)
 
     def forward(
@@ -172,7 +177,7 @@ class Zamba2MambaLayer(nn.Module):
 
     def __init__(self, cfg, ctx: ModelContext) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ctx.ops)
         inner = int(cfg.mamba_expand * cfg.hidden_size)
         self.mamba = Mamba2Mixer(
             hidden_size=cfg.hidden_size,
@@ -255,7 +260,7 @@ class Zamba2ForCausalLM(CausalLM):
             else Zamba2MambaLayer(cfg, ctx)
             for i in range(cfg.num_hidden_layers)
         )
-        self.model.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.model.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ctx.ops)
         self.lm_head = self.make_lm_head(cfg.vocab_size, cfg.hidden_size)
         # A block's parameters are named at its first use, as the checkpoint stores them.
         # Copies stored at later uses load into the same block (the loader refuses copies
