@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ssmserve.cache import BlockPool, StatePool, plan_cache
+from ssmserve.cache import BlockPool, PrefixCache, StatePool, plan_cache
 from ssmserve.config import (
     DEFAULT_MODEL_NAME,
     EngineConfig,
@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 PromptType = str | dict[str, Any]
 DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
+# Tokens between state checkpoints inside a prefill for SSM layers without a chunk of
+# their own (Mamba1), as the SSD layers' usual chunk.
+DEFAULT_CHECKPOINT_INTERVAL = 256
 
 
 class InvalidRequestError(ValueError):
@@ -152,6 +155,7 @@ class LLMEngine:
 
     def _setup_caches(self) -> None:
         cfg = self.config
+        caching = cfg.enable_prefix_caching
         per_block, per_slot = self.executor.call("cache_bytes")
         self.max_num_batched_tokens = cfg.max_num_batched_tokens or (
             8192 if self.device.type == "cuda" else 2048
@@ -175,26 +179,59 @@ class LLMEngine:
             max_num_seqs=cfg.max_num_seqs,
             max_model_len=self.model_config.max_model_len,
             num_kv_blocks=cfg.num_kv_blocks,
+            checkpoint_fraction=cfg.prefix_checkpoint_fraction if caching else 0.0,
+            num_checkpoints=cfg.num_prefix_checkpoints if caching else None,
         )
         self.cache_plan = plan
         self.executor.call("setup", plan, self.max_num_batched_tokens)
-        self.block_pool = BlockPool(plan.num_kv_blocks, cfg.block_size) if per_block else None
+        self.block_pool = (
+            BlockPool(plan.num_kv_blocks, cfg.block_size, enable_caching=caching)
+            if per_block
+            else None
+        )
         self.state_pool = StatePool(plan.num_state_slots) if per_slot else None
+        self.prefix_cache = None
+        if caching:
+            self.prefix_cache = PrefixCache(
+                block_pool=self.block_pool,
+                has_state=per_slot > 0,
+                num_slots=plan.num_state_slots,
+                num_checkpoints=plan.num_state_checkpoints,
+                interval=self._checkpoint_interval(),
+            )
         self.scheduler = Scheduler(
             max_num_seqs=plan.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_tokens_per_request=plan.max_tokens_per_request,
             block_pool=self.block_pool,
             state_pool=self.state_pool,
+            prefix_cache=self.prefix_cache,
         )
         logger.info(
-            "cache: %d KV blocks of %d tokens, %d state slots (%s state), %d max seqs",
+            "cache: %d KV blocks of %d tokens, %d state slots (%s state), %d max seqs, "
+            "prefix caching %s (%d state checkpoints)",
             plan.num_kv_blocks,
             cfg.block_size,
             plan.num_state_slots,
             cfg.mamba_ssm_cache_dtype,
             plan.max_num_seqs,
+            "on" if caching else "off",
+            plan.num_state_checkpoints,
         )
+
+    def _checkpoint_interval(self) -> int:
+        """Tokens between state checkpoints inside a prefill: the configured interval,
+        checked against what the SSM layers can snapshot, or their chunk."""
+        multiple = self.executor.call("state_snapshot_multiple")
+        interval = self.config.prefix_checkpoint_interval
+        if interval is None:
+            return multiple or DEFAULT_CHECKPOINT_INTERVAL
+        if multiple is not None and interval % multiple:
+            raise ValueError(
+                f"prefix_checkpoint_interval ({interval}) must be a multiple of {multiple}, the "
+                "chunk this model's SSD scan can snapshot at"
+            )
+        return interval
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers and free the caches; the engine is unusable after."""
@@ -263,6 +300,8 @@ class LLMEngine:
                 min_tokens=params.min_tokens,
                 eos_token_ids=params.eos_token_ids,
                 stop_token_ids=tuple(params.stop_token_ids),
+                # Prompt logprobs need every prompt position computed (by sample 0).
+                use_prefix_cache=params.prompt_logprobs is None or i > 0,
             )
             sample = _Sample(
                 index=i,
@@ -295,6 +334,10 @@ class LLMEngine:
         return bool(self._groups)
 
     def stats(self) -> dict[str, int]:
+        """Cache use and counters. prefix_cache_query_tokens counts the tokens of every
+        request admitted with prefix caching on (again after a preemption), and
+        prefix_cache_hit_tokens those of them found cached (not computed)."""
+        cache = self.prefix_cache
         return {
             "kv_blocks_used": self.block_pool.num_used if self.block_pool else 0,
             "kv_blocks_total": self.block_pool.num_blocks if self.block_pool else 0,
@@ -305,7 +348,19 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
+            "kv_blocks_cached": self.block_pool.num_cached if self.block_pool else 0,
+            "prefix_cache_checkpoints": cache.num_checkpoints if cache else 0,
+            "prefix_cache_state_rows_used": cache.num_rows_used if cache else 0,
+            "prefix_cache_state_rows_total": cache.num_rows if cache else 0,
+            "prefix_cache_query_tokens": cache.query_tokens if cache else 0,
+            "prefix_cache_hit_tokens": cache.hit_tokens if cache else 0,
         }
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix no request is using; True if nothing is left."""
+        if self.prefix_cache is None:
+            return True
+        return self.prefix_cache.clear() == 0
 
     # -- the step ---------------------------------------------------------------------
 
@@ -341,7 +396,7 @@ class LLMEngine:
                 sample_chunks.append((chunk, len(rows)))
                 rows.append(offset + chunk.num_new_tokens - 1)
             offset += chunk.num_new_tokens
-        inputs = step_inputs(chunks, rows, self.config.block_size)
+        inputs = step_inputs(chunks, rows, self.config.block_size, plan.cache_ops)
         logits = self.executor.execute(inputs.pack())
 
         sampled: dict[str, int] = {}
@@ -492,6 +547,7 @@ class LLMEngine:
             outputs=outputs,
             finished=group.finished,
             metrics=group.metrics,
+            num_cached_tokens=group.samples[0].request.num_cached_tokens,
         )
 
     def _release_group(self, group: _Group) -> None:

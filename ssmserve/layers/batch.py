@@ -9,18 +9,43 @@ path for the rest.
 Every index array of a step travels as one packed int64 tensor (`StepInputs.pack`): one
 host-to-device copy per step, and under tensor parallelism the one message rank 0
 broadcasts to the other ranks. `ForwardBatch.from_packed` is the one place a batch is
-made from it.
+made from it. Prefix caching's per-step work travels in it too: the cache copies made
+before the forward (`CacheCopies`) and the chunk-boundary state snapshots the SSM scans
+write (`ForwardBatch.snapshots_p`), so every rank does the same to its own shard.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-# Header of a packed step: sizes first, then the flat parts in _PARTS order.
-HEADER = ("num_tokens", "num_seqs", "num_logits", "table_width", "num_decodes")
+# Header of a packed step: sizes first, then the flat parts in `pack` order.
+HEADER = (
+    "num_tokens",
+    "num_seqs",
+    "num_logits",
+    "table_width",
+    "num_decodes",
+    "num_state_saves",
+    "num_state_restores",
+    "num_block_copies",
+    "num_snapshots",
+)
 HEADER_LEN = len(HEADER)
+
+
+class CacheCopies(NamedTuple):
+    """Row copies made in every layer's caches before a forward, saves first: state
+    slot -> checkpoint row, then checkpoint row -> state slot, and KV block -> block."""
+
+    save_slots: torch.Tensor  # [n] int64
+    save_rows: torch.Tensor
+    restore_rows: torch.Tensor  # [m] int64
+    restore_slots: torch.Tensor
+    block_sources: torch.Tensor  # [b] int64
+    block_destinations: torch.Tensor
 
 
 @dataclass
@@ -37,6 +62,12 @@ class StepInputs:
     block_tables: list[list[int]] = field(default_factory=list)  # [S][blocks]
     logits_indices: list[int] = field(default_factory=list)  # [K] rows whose logits count
     num_decodes: int = 0
+    # Prefix caching: (slot, row) saves, (row, slot) restores, (source, destination)
+    # block copies, and snapshots: prefill sequence index, tokens into its chunk, row.
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    snapshots: list[tuple[int, int, int]] = field(default_factory=list)
 
     def add_sequence(
         self,
@@ -72,7 +103,17 @@ class StepInputs:
             len(self.logits_indices),
             width,
             self.num_decodes,
+            len(self.state_saves),
+            len(self.state_restores),
+            len(self.block_copies),
+            len(self.snapshots),
         ]
+        pairs = [
+            [p[i] for p in ops]
+            for ops in (self.state_saves, self.state_restores, self.block_copies)
+            for i in (0, 1)
+        ]
+        snapshot_columns = [[s[i] for s in self.snapshots] for i in (0, 1, 2)]
         return torch.tensor(
             header
             + self.input_ids
@@ -83,7 +124,8 @@ class StepInputs:
             + self.context_lens
             + self.state_slots
             + self.logits_indices
-            + tables,
+            + tables
+            + [v for column in pairs + snapshot_columns for v in column],
             dtype=torch.long,
         )
 
@@ -108,6 +150,11 @@ class ForwardBatch:
     # of each sequence and the tokens each had computed before this step.
     query_start_loc_host: tuple[int, ...] = ()
     context_lens_host: tuple[int, ...] = ()
+    # Prefix caching (None when the step has none): copies before the forward, and
+    # (prefill sequence index, tokens into its chunk, checkpoint row) of the states the
+    # SSM layers write at chunk boundaries, sorted by sequence then tokens.
+    cache_copies: CacheCopies | None = None
+    snapshots_p: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -144,10 +191,13 @@ class ForwardBatch:
         or already on `device`, with `host` its host copy when host values are wanted."""
         host = packed if host is None and packed.device.type == "cpu" else host
         head = (host if host is not None else packed)[:HEADER_LEN].tolist()
-        T, S, K, width, nd = head
+        T, S, K, width, nd, n_save, n_restore, n_copy, n_snap = head
         data = packed.to(device, non_blocking=True) if packed.device != device else packed
         sizes = [T, T, T, S + 1, S, S, S, K, S * width]
-        ids, pos, slots, qsl, lens, ctx, state, rows, tables = data[HEADER_LEN:].split(sizes)
+        sizes += [n_save] * 2 + [n_restore] * 2 + [n_copy] * 2 + [n_snap] * 3
+        parts = data[HEADER_LEN:].split(sizes)
+        ids, pos, slots, qsl, lens, ctx, state, rows, tables = parts[:9]
+        copies = CacheCopies(*parts[9:15]) if n_save + n_restore + n_copy else None
         qsl = qsl.to(torch.int32)
         qsl_host, ctx_host = (), ()
         if host is not None:
@@ -170,4 +220,6 @@ class ForwardBatch:
             start_positions_p=ctx[nd:],
             query_start_loc_host=qsl_host,
             context_lens_host=ctx_host,
+            cache_copies=copies,
+            snapshots_p=tuple(parts[15:]) if n_snap else None,
         )

@@ -6,7 +6,7 @@ import itertools
 import logging
 from collections import deque
 
-from ssmserve.cache import BlockPool, StatePool
+from ssmserve.cache import BlockPool, PrefixCache, PrefixHit, StatePool
 from ssmserve.scheduler.plan import ScheduledChunk, StepPlan
 from ssmserve.scheduler.request import Request, RequestStatus
 
@@ -35,12 +35,14 @@ class Scheduler:
         max_tokens_per_request: int,
         block_pool: BlockPool | None,
         state_pool: StatePool | None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_tokens_per_request = max_tokens_per_request
         self.block_pool = block_pool
         self.state_pool = state_pool
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -68,6 +70,13 @@ class Scheduler:
         self, request: Request, status: RequestStatus, stop_reason: int | str | None = None
     ) -> None:
         assert status.finished
+        if (
+            self.prefix_cache is not None
+            and request.status == RequestStatus.RUNNING
+            and status != RequestStatus.FINISHED_ABORTED
+        ):
+            # The state after everything but the last token: what a follow-up turn needs.
+            self.prefix_cache.save(request, request.num_computed_tokens)
         if request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
         elif request.status == RequestStatus.RUNNING:
@@ -96,7 +105,7 @@ class Scheduler:
                 remaining = request.num_tokens - request.num_computed_tokens
                 if (remaining == 1) != decodes:
                     continue
-                n = min(remaining, budget)
+                n = self._chunk_tokens(request, budget)
                 while not self._reserve_blocks(request, n):
                     # NOTE: the victim is always the newest arrival, never an older request
                     # than the one asking; two requests preempting each other by turns
@@ -120,18 +129,34 @@ class Scheduler:
             request = self.waiting[0]
             if self.state_pool is not None and self.state_pool.num_free == 0:
                 break
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            hit = None
+            if self.prefix_cache is not None and request.use_prefix_cache:
+                hit = self.prefix_cache.lookup(request.all_token_ids)
+                if self._should_wait(request, hit):
+                    break
+                if hit is not None:
+                    self.prefix_cache.hold(hit)
+                    request.num_computed_tokens = hit.position
+                    request.block_ids = list(hit.blocks)
+            n = self._chunk_tokens(request, budget)
             if not self._reserve_blocks(request, n):
+                if hit is not None:
+                    self.prefix_cache.unhold(hit)
+                    request.num_computed_tokens, request.block_ids = 0, []
                 break  # never preempt a running request to admit a waiting one
             self.waiting.popleft()
             if self.state_pool is not None:
                 request.state_slot = self.state_pool.allocate()
+            if self.prefix_cache is not None and request.use_prefix_cache:
+                self._count_hit(request, hit, plan)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chunk = ScheduledChunk(request, request.num_computed_tokens, n)
             chunks[request.request_id] = chunk
             plan.chunks.append(chunk)
             budget -= n
+        if self.prefix_cache is not None and plan.chunks:
+            self.prefix_cache.plan_step(plan)
         return plan
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
@@ -140,6 +165,8 @@ class Scheduler:
         `sampled` maps request id -> new token for every chunk that completed its
         known tokens. Returns the requests that got a new token (finished ones included).
         """
+        if self.prefix_cache is not None:
+            self.prefix_cache.step_done(plan)
         advanced = []
         for chunk in plan.chunks:
             request = chunk.request
@@ -147,6 +174,8 @@ class Scheduler:
                 continue
             completes = chunk.completes_prompt
             request.num_computed_tokens = chunk.end
+            if self.prefix_cache is not None:
+                self.prefix_cache.chunk_done(chunk)
             if not completes:
                 continue
             token = sampled[request.request_id]
@@ -171,6 +200,47 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
 
+    def _chunk_tokens(self, request: Request, budget: int) -> int:
+        """Tokens of `request` to compute now. With prefix caching on a model with SSM
+        state, a prompt's prefill stops one token short of the end, so the state after
+        all but the last token (what a repeat of the prompt resumes from) is in the slot
+        after a step; the last token is computed in the next step."""
+        computed, last = request.num_computed_tokens, request.num_tokens - 1
+        n = min(request.num_tokens - computed, budget)
+        if self.prefix_cache is not None and self.prefix_cache.has_state and computed < last:
+            n = min(n, last - computed)
+        return n
+
+    def _should_wait(self, request: Request, hit: PrefixHit | None) -> bool:
+        """True when a running request is still prefilling tokens this one shares, and
+        will leave a deeper checkpoint than it could resume from now (samples of one
+        prompt, many requests on one system prompt): admitting it later computes the
+        shared tokens once."""
+        if not self.prefix_cache.can_hit:
+            return False
+        current = hit.position if hit is not None else 0
+        for other in self.running:
+            end = other.num_tokens - 1
+            if other.num_computed_tokens >= end:
+                continue
+            reach = self.prefix_cache.potential_hit(request.all_token_ids, other.all_token_ids, end)
+            if reach > current and other.num_computed_tokens < reach:
+                return True
+        return False
+
+    def _count_hit(self, request: Request, hit: PrefixHit | None, plan: StepPlan) -> None:
+        cached = hit.position if hit is not None else 0
+        if hit is not None:
+            self.prefix_cache.use(hit, request.block_ids, request.state_slot, plan)
+        self.prefix_cache.count_query(request.num_tokens, cached)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = cached
+
+    def _allocate_blocks(self, n: int) -> list[int] | None:
+        if self.prefix_cache is not None:
+            return self.prefix_cache.allocate_blocks(n)
+        return self.block_pool.allocate(n)
+
     def _reserve_blocks(self, request: Request, num_new_tokens: int) -> bool:
         if self.block_pool is None:
             return True
@@ -178,7 +248,7 @@ class Scheduler:
         missing = needed - len(request.block_ids)
         if missing <= 0:
             return True
-        block_ids = self.block_pool.allocate(missing)
+        block_ids = self._allocate_blocks(missing)
         if block_ids is None:
             return False
         request.block_ids.extend(block_ids)
@@ -199,6 +269,7 @@ class Scheduler:
         if self.block_pool is not None and request.block_ids:
             self.block_pool.free(request.block_ids)
         request.block_ids = []
+        request.num_committed_blocks = 0
         if self.state_pool is not None and request.state_slot is not None:
             self.state_pool.free(request.state_slot)
         request.state_slot = None
