@@ -8,8 +8,8 @@ Per head h (group g = h // (H // G)), for each token t of a sequence:
 
 S_{-1} is the sequence's slot state if has_initial_state else zeros; the final S is
 written back to the slot. Snapshots (prefix caching) also write S after the first k
-tokens of a sequence into other rows of the state pool. The chunked form (used by both twin and kernels) computes,
-per chunk of L tokens with cum_i = sum_{k<=i} dt_k A:
+tokens of a sequence into other rows of the state pool. The chunked form (used by both
+twin and kernels) computes, per chunk of L tokens with cum_i = sum_{k<=i} dt_k A:
 
     y_i = sum_{j<=i} (C_i . B_j) exp(cum_i - cum_j) dt_j x_j + exp(cum_i) (S_in @ C_i)
     S_out = exp(cum_L) S_in + sum_j exp(cum_L - cum_j) dt_j outer(x_j, B_j)
