@@ -268,12 +268,12 @@ def _selective_scan_kernel(
         z_ptrs = z_ptr + rows[:, None] * stride_z_t + offs_d[None, :] * stride_z_d
         z_next = tl.load(z_ptrs, mask=mask_td, other=0.0)
     if HAS_SNAPSHOTS:
-        # This sequence's snapshots, sorted by length: the next one's length, or past
-        # the end when there is none.
+        # This sequence's snapshots, sorted by length: the next one's length, or one that
+        # no block reaches when there is none.
         snapshot = tl.load(snapshot_first_ptr + seq)
         snapshot_end = tl.load(snapshot_first_ptr + seq + 1)
         next_len = tl.load(
-            snapshot_lens_ptr + snapshot, mask=snapshot < snapshot_end, other=end - start + 1
+            snapshot_lens_ptr + snapshot, mask=snapshot < snapshot_end, other=end - start + BLOCK_T
         )
     for t0 in range(start, end, BLOCK_T):
         u = u_next.to(tl.float32)
@@ -342,7 +342,7 @@ def _selective_scan_kernel(
                 next_len = tl.load(
                     snapshot_lens_ptr + snapshot,
                     mask=snapshot < snapshot_end,
-                    other=end - start + 1,
+                    other=end - start + BLOCK_T,
                 )
         if HAS_D:
             y += D[None, :] * u
