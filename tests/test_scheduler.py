@@ -21,7 +21,7 @@ def make(budget=8, max_seqs=4, blocks=12, block_size=4, slots=4, limit=10_000):
 
 
 def check_invariants(s: Scheduler, plan) -> None:
-    assert plan.num_batched_tokens <= s.max_num_batched_tokens
+    assert sum(c.num_new_tokens for c in plan.chunks) <= s.max_num_batched_tokens
     assert len(s.running) <= s.max_num_seqs
     seen_blocks: set[int] = set()
     slots = set()
