@@ -8,7 +8,11 @@ checkpoint intervals.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +29,7 @@ FAMILIES = ["bamba", "mamba2", "mamba", "falcon_mamba", "llama"]
 HAS_KV = {"bamba", "llama"}
 INTERVAL = 16
 GREEDY = SamplingParams(max_tokens=4, temperature=0, logprobs=0, ignore_eos=True)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_llm(path: str, family: str, **kwargs) -> LLM:
@@ -238,3 +243,21 @@ def test_settings_are_checked(checkpoint):
         )
     llm = make_llm(checkpoint("mamba2"), "mamba2", enable_prefix_caching=False)
     assert llm.llm_engine.prefix_cache is None and llm.stats()["prefix_cache_checkpoints"] == 0
+
+
+def test_benchmark_smoke_run(checkpoint, tmp_path, monkeypatch):
+    """benchmarks/prefix_caching.py --tiny, caching on and off, on a tiny checkpoint."""
+    spec = importlib.util.spec_from_file_location(
+        "prefix_caching_bench", ROOT / "benchmarks" / "prefix_caching.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look it up
+    spec.loader.exec_module(bench)
+    argv = ["--tiny", "--model", checkpoint("bamba"), "--dtype", "float32"]
+    report = bench.main([*argv, "--json", str(tmp_path / "out.json")])
+    for rows in report["workloads"].values():
+        off, on = rows
+        assert off["caching"] == "off" and off["hit_rate"] == 0
+        assert on["caching"] == "on" and on["hit_rate"] > 0.5
+        assert on["output_tokens"] == off["output_tokens"]
+    assert json.loads((tmp_path / "out.json").read_text())["workloads"]
