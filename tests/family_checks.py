@@ -146,10 +146,8 @@ def check_prefix_caching(path: str, vocab: int = 300) -> None:
     assert outs[3].num_cached_tokens == len(stem) - 1, "a repeated prompt hits all but one"
     turn2 = stem + outs[1].outputs[0].token_ids + [8, 9]
     follow = llm.generate([{"prompt_token_ids": turn2}], params, use_tqdm=False)[0]
-    assert (
-        follow.outputs[0].token_ids
-        == ref.generate([{"prompt_token_ids": turn2}], params)[0].outputs[0].token_ids
-    )
+    expected = ref.generate([{"prompt_token_ids": turn2}], params, use_tqdm=False)[0]
+    assert follow.outputs[0].token_ids == expected.outputs[0].token_ids
     assert follow.num_cached_tokens >= len(stem) + 5 - 1, "a follow-up turn hits the last one"
     assert_idle(llm)
     assert llm.reset_prefix_cache()
