@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -34,33 +34,32 @@ class RadixTree:
     def __init__(self) -> None:
         self.root = Node([], None, 0)
 
+    def _path(self, tokens: list[int], limit: int) -> Iterator[Node]:
+        """The nodes of the prefixes of tokens[:limit] the tree has, root first."""
+        node = self.root
+        yield node
+        while node.depth < limit:
+            child = node.children.get(tokens[node.depth])
+            if child is None or child.depth > limit:
+                return
+            if tokens[node.depth : child.depth] != child.edge:
+                return
+            node = child
+            yield node
+
     def find(self, tokens: list[int], length: int) -> Node | None:
         """The node of tokens[:length], if the tree has one."""
-        node = self.root
-        while node.depth < length:
-            child = node.children.get(tokens[node.depth])
-            if child is None or child.depth > length:
-                return None
-            if tokens[node.depth : child.depth] != child.edge:
-                return None
-            node = child
-        return node
+        *_, node = self._path(tokens, length)
+        return node if node.depth == length else None
 
     def deepest(self, tokens: list[int], limit: int, accept: Callable[[Any], bool]) -> Any:
         """The value of the longest prefix of `tokens`, at most `limit` long, whose value
         `accept` takes; None if there is none."""
-        node, best = self.root, None
-        while True:
+        best = None
+        for node in self._path(tokens, limit):
             if node.value is not None and accept(node.value):
                 best = node.value
-            if node.depth >= limit:
-                return best
-            child = node.children.get(tokens[node.depth])
-            if child is None or child.depth > limit:
-                return best
-            if tokens[node.depth : child.depth] != child.edge:
-                return best
-            node = child
+        return best
 
     def insert(self, tokens: list[int], length: int) -> Node:
         """The node of tokens[:length], made (splitting an edge) if needed."""
