@@ -20,7 +20,9 @@ class Scheduler:
     requests still prefilling, then waiting requests in arrival order (preempted ones
     first). A prompt longer than the budget is split wherever the budget falls. When KV
     blocks run out, the newest running request is preempted: it gives back its blocks and
-    state slot and is recomputed from scratch later (its output so far becomes prompt).
+    state slot and is recomputed later (its output so far becomes prompt). With a
+    `prefix_cache`, an admitted request resumes from the deepest cached prefix of its
+    tokens, and the plan carries the cache copies and snapshots the step makes.
 
     NOTE: `running` stays in arrival order, and every running request arrived before every
     waiting one (admission is FIFO and preempted requests wait at the front), so
@@ -148,7 +150,7 @@ class Scheduler:
             if self.state_pool is not None:
                 request.state_slot = self.state_pool.allocate()
             if self.prefix_cache is not None and request.use_prefix_cache:
-                self._count_hit(request, hit, plan)
+                self._resume(request, hit, plan)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chunk = ScheduledChunk(request, request.num_computed_tokens, n)
@@ -228,7 +230,8 @@ class Scheduler:
                 return True
         return False
 
-    def _count_hit(self, request: Request, hit: PrefixHit | None, plan: StepPlan) -> None:
+    def _resume(self, request: Request, hit: PrefixHit | None, plan: StepPlan) -> None:
+        """Put an admitted request's hit (if any) into the plan; count the lookup."""
         cached = hit.position if hit is not None else 0
         if hit is not None:
             self.prefix_cache.use(hit, request.block_ids, request.state_slot, plan)
