@@ -354,7 +354,9 @@ def test_a_shared_prefix_is_stored_once():
     assert len(tables) == 4 and all(t == tables[0] for t in tables)
 
 
-def test_eviction_takes_the_least_recently_hit_leaf_first():
+def test_eviction_takes_the_least_recently_used_first():
+    """Made or hit, the least recent goes first, a parent before its child included; the
+    child still serves on its own."""
     cache = PrefixCache(
         block_pool=None, has_state=True, num_slots=1, num_checkpoints=3, interval=99
     )
@@ -373,15 +375,20 @@ def test_eviction_takes_the_least_recently_hit_leaf_first():
     a, b, c = [1, 2, 3], [1, 2, 3, 4, 5], [7, 7]
     for tokens in (a, b, c):
         keep(tokens)
-    hit = cache.lookup(b + [6])  # b is hit last: c is now the least recently used leaf
+    hit = cache.lookup(a + [9])
+    assert hit.position == 3
     cache.hold(hit)
     plan = StepPlan()
     cache.use(hit, [], 0, plan)
-    cache.step_done(plan)
+    cache.step_done(plan)  # a is the most recently used now: b, then c go first
     keep([8])
-    assert kept() == sorted([tuple(a), tuple(b), (8,)]), "the LRU leaf goes, not a (a parent)"
+    assert kept() == sorted([tuple(a), tuple(c), (8,)])
     keep([9])
-    assert kept() == sorted([tuple(a), (8,), (9,)]), "then b, the LRU leaf (a has a child)"
+    assert kept() == sorted([tuple(a), (8,), (9,)])
+    keep(b)  # evicts a, b's parent
+    assert kept() == sorted([(8,), (9,), tuple(b)])
+    assert cache.lookup(b + [6]).position == 5, "a child outlives its evicted parent"
+    assert cache.lookup(a + [9]) is None
 
 
 def test_planner_gives_checkpoints_their_share():

@@ -17,8 +17,11 @@ A checkpoint goes through three states:
 - READY: readable.
 
 A checkpoint that a step in flight reads or writes is locked (`users`) and never
-evicted. Eviction takes the least recently hit checkpoint among the leaves of the tree
-(the deepest prefixes) first.
+evicted. Eviction takes the least recently used checkpoint (made or hit) first. Every
+checkpoint holds its own state row and pins all of its blocks, so evicting one never
+spoils another, a deeper one on the same prefix included; and in chat traffic the
+deepest checkpoint of a conversation (its last turn's end) is the one its next turn
+needs, while the earlier ones on its path go stale.
 """
 
 from __future__ import annotations
@@ -344,17 +347,11 @@ class PrefixCache:
         return checkpoint.users == 0 and checkpoint.state != WRITING
 
     def _victim(self, frees) -> Checkpoint | None:
-        """The least recently used evictable checkpoint that `frees` what is needed,
-        leaves of the tree first."""
-        fallback = None
+        """The least recently used evictable checkpoint that `frees` what is needed."""
         for checkpoint in self._lru:
-            if not (self._evictable(checkpoint) and frees(checkpoint)):
-                continue
-            if checkpoint.node.is_leaf:
+            if self._evictable(checkpoint) and frees(checkpoint):
                 return checkpoint
-            if fallback is None:
-                fallback = checkpoint
-        return fallback
+        return None
 
     def _evict(self, checkpoint: Checkpoint) -> None:
         if checkpoint.state == QUEUED:

@@ -18,10 +18,6 @@ class Node:
         self.depth = depth
         self.value: Any = None  # what is stored for this prefix (None: a branch point)
 
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
 
 class RadixTree:
     """Prefixes of token sequences with a value each. Edges hold runs of tokens, so a
