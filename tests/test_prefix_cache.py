@@ -333,11 +333,14 @@ def test_a_follow_up_turn_hits_the_earlier_turn(kind):
 def test_samples_of_one_prompt_compute_it_once():
     """Requests on a prefix another running request is prefilling wait for its
     checkpoints instead of computing the same tokens again."""
-    parts = make_scheduler("hybrid", 64, 64, 4, 4, 8, 16)
-    prompt = list(range(1, 30))
+    parts = make_scheduler("hybrid", 200, 64, 4, 4, 8, 16)
+    prompt = list(range(1, 81))
     samples = [(0, Request(f"s{i}", prompt, max_tokens=3)) for i in range(3)]
     drive(*parts, samples)
-    assert [r.num_cached_tokens for _, r in samples] == [0, 28, 28]
+    assert [r.num_cached_tokens for _, r in samples] == [0, 79, 79]
+    short = [(0, Request(f"t{i}", list(range(100, 130)), max_tokens=3)) for i in range(2)]
+    drive(*parts, short)
+    assert [r.num_cached_tokens for _, r in short] == [0, 0], "not worth a step's wait"
 
 
 def test_a_shared_prefix_is_stored_once():

@@ -12,6 +12,11 @@ from ssmserve.scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
+# A waiting request holds back for a running one's checkpoints only to save at least
+# this many tokens: waiting costs it (and the queue behind it) a step, and a few dozen
+# tokens (a chat template's header) cost less to compute again.
+MIN_WAIT_GAIN = 64
+
 
 class Scheduler:
     """Builds one StepPlan per step within the token budget and the cache.
@@ -226,7 +231,7 @@ class Scheduler:
             if other.num_computed_tokens >= end:
                 continue
             reach = self.prefix_cache.potential_hit(request.all_token_ids, other.all_token_ids, end)
-            if reach > current and other.num_computed_tokens < reach:
+            if reach - current >= MIN_WAIT_GAIN and other.num_computed_tokens < reach:
                 return True
         return False
 
