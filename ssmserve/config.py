@@ -241,6 +241,24 @@ class EngineConfig:
         choices=LOAD_FORMATS,
     )
     seed: int = _flag(0, "seed of the engine's sampling generator and of dummy weights")
+    enable_prefix_caching: bool = _flag(
+        True,
+        "resume prompts from the KV blocks and SSM states of prefixes computed before "
+        "(docs/prefix_caching.md)",
+    )
+    prefix_checkpoint_fraction: float = _flag(
+        0.25,
+        "share of the cache budget for SSM state checkpoints of prefix caching (models "
+        "without attention give them all that the state slots leave)",
+    )
+    num_prefix_checkpoints: int | None = _flag(
+        None, "override the number of SSM state checkpoints the memory planner picks"
+    )
+    prefix_checkpoint_interval: int | None = _flag(
+        None,
+        "tokens between SSM state checkpoints inside a prefill, a multiple of the SSD chunk "
+        "(default: the SSD chunk, 256 for Mamba1 models)",
+    )
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -259,6 +277,7 @@ class EngineConfig:
             "tensor_parallel_size",
             "pipeline_parallel_size",
             "max_model_len",
+            "prefix_checkpoint_interval",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -268,6 +287,15 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if not 0.0 <= self.prefix_checkpoint_fraction < 1.0:
+            raise ValueError(
+                "prefix_checkpoint_fraction must be in [0, 1), got "
+                f"{self.prefix_checkpoint_fraction}"
+            )
+        if self.num_prefix_checkpoints is not None and self.num_prefix_checkpoints < 0:
+            raise ValueError(
+                f"num_prefix_checkpoints must be at least 0, got {self.num_prefix_checkpoints}"
             )
 
     @classmethod

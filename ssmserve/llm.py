@@ -34,7 +34,12 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def stats(self) -> dict[str, int]:
+        """The engine's cache use and counters (LLMEngine.stats)."""
         return self.llm_engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix no request is using; True if nothing is left."""
+        return self.llm_engine.reset_prefix_cache()
 
     def generate(
         self,

@@ -48,3 +48,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # Prompt tokens found in the prefix cache (not computed) when the request (its first
+    # sample) was first scheduled.
+    num_cached_tokens: int = 0

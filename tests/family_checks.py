@@ -8,7 +8,10 @@ seed, `save_pretrained`; `tiny_checkpoints` in a module-scoped fixture) and call
   bugs), chosen-token logprobs within 1e-4, and prompt logprobs equal transformers'
   teacher-forced log-softmax.
 - `check_engine_invariants`: any token budget down to 1, batch composition and arrival
-  order, forced preemption (attention models), abort; nothing allocated afterwards.
+  order, forced preemption (attention models), abort; nothing allocated afterwards; and
+  `check_prefix_caching`.
+- `check_prefix_caching`: cached equals uncached on prompts sharing prefixes, a repeated
+  prompt hits all but its last token, a follow-up turn the conversation so far.
 - `check_tensor_parallel`: TP=size equals TP=1 (tokens, logprobs within float32 noise).
 - `check_triton_matches_torch`: the Triton kernels (under TRITON_INTERPRET=1 on CPU) give
   the PyTorch twins' tokens and logprobs, with chunked prefill and decode in a batch.
@@ -139,6 +142,34 @@ def check_engine_invariants(path: str, has_attention: bool, vocab: int = 300) ->
     assert done["kept"].outputs[0].token_ids == alone[2]
     stats = engine.stats()
     assert stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0, stats
+    check_prefix_caching(path, vocab)
+
+
+def check_prefix_caching(path: str, vocab: int = 300) -> None:
+    params = SamplingParams(max_tokens=5, temperature=0, logprobs=0, ignore_eos=True)
+    rng = random.Random(11)
+    stem = [rng.randrange(1, vocab) for _ in range(40)]
+    prompts = [stem[:37] + [3, 4, 5], stem, stem[:20] + [6, 7], stem]
+    ref = LLM(path, device="cpu", dtype="float32", enable_prefix_caching=False)
+    llm = LLM(path, device="cpu", dtype="float32", max_num_batched_tokens=7)
+    outs = []
+    for prompt in prompts:  # one at a time: each finds what the earlier ones left
+        got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        want = ref.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids, prompt
+        for i, t in enumerate(want.outputs[0].token_ids):
+            a, b = got.outputs[0].logprobs[i][t].logprob, want.outputs[0].logprobs[i][t].logprob
+            # Resumed and whole prefills sum in a different order: float32 noise only.
+            assert abs(a - b) <= LOGPROB_TOL, (len(prompt), i, a, b)
+        outs.append(got)
+    assert outs[3].num_cached_tokens == len(stem) - 1, "a repeated prompt hits all but one"
+    turn2 = stem + outs[1].outputs[0].token_ids + [8, 9]
+    follow = llm.generate([{"prompt_token_ids": turn2}], params, use_tqdm=False)[0]
+    expected = ref.generate([{"prompt_token_ids": turn2}], params, use_tqdm=False)[0]
+    assert follow.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert follow.num_cached_tokens >= len(stem) + 5 - 1, "a follow-up turn hits the last one"
+    assert_idle(llm)
+    assert llm.reset_prefix_cache()
 
 
 def check_tensor_parallel(path: str, prompts: list[str], size: int = 2) -> None:
@@ -167,7 +198,7 @@ def check_parallel(
             assert g.outputs[0].token_ids == r.outputs[0].token_ids
             for i, t in enumerate(r.outputs[0].token_ids):
                 a, b = r.outputs[0].logprobs[i][t].logprob, g.outputs[0].logprobs[i][t].logprob
-                assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (i, a, b)
+                assert abs(a - b) <= 5e-5 * max(1.0, abs(a)), (i, a, b)
         assert_idle(llm)
     finally:
         llm.llm_engine.shutdown()

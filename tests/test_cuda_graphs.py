@@ -74,3 +74,33 @@ def test_fused_prefill_attention_equals_cpu_paged(checkpoint, variant, monkeypat
                 < 2e-3
             )
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("variant", ["bamba", "mamba2", "mamba", "llama"])
+def test_prefix_caching_with_graphs_equals_uncached_eager(checkpoint, variant):
+    """Cache copies run outside the decode graphs and the Triton scans write the chunk
+    snapshots: cached, graphed runs of prompts sharing prefixes (repeats and follow-up
+    turns included) equal uncached eager ones."""
+    stem = list(range(3, 70))
+    prompts = [{"prompt_token_ids": stem[:n] + [7] * k} for n, k in ((67, 0), (40, 5), (67, 0))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    kwargs = dict(device="cuda", dtype="float32", max_num_seqs=8, cache_memory=2**28)
+    if variant == "mamba":
+        kwargs["prefix_checkpoint_interval"] = 16
+    eager = LLM(checkpoint(variant), enforce_eager=True, enable_prefix_caching=False, **kwargs)
+    llm = LLM(checkpoint(variant), **kwargs)
+    for round_ in range(2):
+        for p in prompts:
+            a = eager.generate([p], params)[0].outputs[0]
+            b = llm.generate([p], params)[0].outputs[0]
+            assert a.token_ids == b.token_ids, (round_, p)
+            for i, t in enumerate(a.token_ids):
+                assert abs(a.logprobs[i][t].logprob - b.logprobs[i][t].logprob) < 1e-3
+        follow = {"prompt_token_ids": stem + b.token_ids + [9, 9]}
+        assert (
+            eager.generate([follow], params)[0].outputs[0].token_ids
+            == llm.generate([follow], params)[0].outputs[0].token_ids
+        )
+    stats = llm.stats()
+    assert stats["prefix_cache_hit_tokens"] > 0
+    assert stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0

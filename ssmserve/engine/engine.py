@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 from collections import deque
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ssmserve.cache import BlockPool, StatePool, combine_plans, plan_cache
+from ssmserve.cache import BlockPool, PrefixCache, StatePool, combine_plans, plan_cache
 from ssmserve.config import (
     DEFAULT_MODEL_NAME,
     EngineConfig,
@@ -41,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 PromptType = str | dict[str, Any]
 DEFAULT_CPU_CACHE_BYTES = 256 * 2**20
+# Tokens between state checkpoints inside a prefill for SSM layers without a chunk of
+# their own (Mamba1), as the SSD layers' usual chunk.
+DEFAULT_CHECKPOINT_INTERVAL = 256
 
 
 class InvalidRequestError(ValueError):
@@ -137,6 +141,7 @@ class LLMEngine:
 
     def _setup_caches(self) -> None:
         cfg = self.config
+        caching = cfg.enable_prefix_caching
         self.max_num_batched_tokens = cfg.max_num_batched_tokens or (
             8192 if self.device.type == "cuda" else 2048
         )
@@ -165,6 +170,8 @@ class LLMEngine:
                     max_num_seqs=cfg.max_num_seqs,
                     max_model_len=self.model_config.max_model_len,
                     num_kv_blocks=cfg.num_kv_blocks,
+                    checkpoint_fraction=cfg.prefix_checkpoint_fraction if caching else 0.0,
+                    num_checkpoints=cfg.num_prefix_checkpoints if caching else None,
                 )
             )
         plan = combine_plans(stage_plans)
@@ -172,23 +179,56 @@ class LLMEngine:
         per_slot = sum(size[1] for size in sizes)
         self.cache_plan = plan
         self.executor.call("setup", plan, self.max_num_batched_tokens)
-        self.block_pool = BlockPool(plan.num_kv_blocks, cfg.block_size) if per_block else None
+        self.block_pool = (
+            BlockPool(plan.num_kv_blocks, cfg.block_size, enable_caching=caching)
+            if per_block
+            else None
+        )
         self.state_pool = StatePool(plan.num_state_slots) if per_slot else None
+        self.prefix_cache = None
+        if caching:
+            self.prefix_cache = PrefixCache(
+                block_pool=self.block_pool,
+                has_state=per_slot > 0,
+                num_slots=plan.num_state_slots,
+                num_checkpoints=plan.num_state_checkpoints,
+                interval=self._checkpoint_interval(),
+            )
         self.scheduler = Scheduler(
             max_num_seqs=plan.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_tokens_per_request=plan.max_tokens_per_request,
             block_pool=self.block_pool,
             state_pool=self.state_pool,
+            prefix_cache=self.prefix_cache,
         )
         logger.info(
-            "cache: %d KV blocks of %d tokens, %d state slots (%s state), %d max seqs",
+            "cache: %d KV blocks of %d tokens, %d state slots (%s state), %d max seqs, "
+            "prefix caching %s (%d state checkpoints)",
             plan.num_kv_blocks,
             cfg.block_size,
             plan.num_state_slots,
             cfg.mamba_ssm_cache_dtype,
             plan.max_num_seqs,
+            "on" if caching else "off",
+            plan.num_state_checkpoints,
         )
+
+    def _checkpoint_interval(self) -> int:
+        """Tokens between state checkpoints inside a prefill: the configured interval,
+        checked against what the SSM layers can snapshot, or their chunk."""
+        # Ranks of a stage without SSM layers have no constraint (None).
+        multiples = {m for m in self.executor.call("state_snapshot_multiple") if m is not None}
+        multiple = math.lcm(*multiples) if multiples else None
+        interval = self.config.prefix_checkpoint_interval
+        if interval is None:
+            return multiple or DEFAULT_CHECKPOINT_INTERVAL
+        if multiple is not None and interval % multiple:
+            raise ValueError(
+                f"prefix_checkpoint_interval ({interval}) must be a multiple of {multiple}, the "
+                "chunk this model's SSD scan can snapshot at"
+            )
+        return interval
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers and free the caches; the engine is unusable after."""
@@ -254,6 +294,8 @@ class LLMEngine:
                 min_tokens=params.min_tokens,
                 eos_token_ids=params.eos_token_ids,
                 stop_token_ids=tuple(params.stop_token_ids),
+                # Prompt logprobs need every prompt position computed (by sample 0).
+                use_prefix_cache=params.prompt_logprobs is None or i > 0,
             )
             group.samples.append(self.outputs.new_sample(i, request, params))
         for sample in group.samples:
@@ -277,6 +319,10 @@ class LLMEngine:
         return bool(self.outputs.groups)
 
     def stats(self) -> dict[str, int]:
+        """Cache use and counters. prefix_cache_query_tokens counts the tokens of every
+        request admitted with prefix caching on (again after a preemption), and
+        prefix_cache_hit_tokens those of them found cached (not computed)."""
+        cache = self.prefix_cache
         return {
             "kv_blocks_used": self.block_pool.num_used if self.block_pool else 0,
             "kv_blocks_total": self.block_pool.num_blocks if self.block_pool else 0,
@@ -287,7 +333,19 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.outputs.generation_tokens_total,
+            "kv_blocks_cached": self.block_pool.num_cached if self.block_pool else 0,
+            "prefix_cache_checkpoints": cache.num_checkpoints if cache else 0,
+            "prefix_cache_state_rows_used": cache.num_rows_used if cache else 0,
+            "prefix_cache_state_rows_total": cache.num_rows if cache else 0,
+            "prefix_cache_query_tokens": cache.query_tokens if cache else 0,
+            "prefix_cache_hit_tokens": cache.hit_tokens if cache else 0,
         }
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix no request is using; True if nothing is left."""
+        if self.prefix_cache is None:
+            return True
+        return self.prefix_cache.clear() == 0
 
     # -- the step ---------------------------------------------------------------------
 
@@ -344,10 +402,15 @@ class LLMEngine:
     def _launch(self, plan: StepPlan) -> _Step | None:
         """Queue the forward and the sampling of a plan's chunks that are still current
         (a request may have finished or been preempted since the plan was made)."""
-        chunks = order_chunks([c for c in plan.chunks if c.is_current])
-        if not chunks:
+        dropped = [c for c in plan.chunks if not c.is_current]
+        if dropped:
+            self.scheduler.discard(plan, dropped)
+            plan.chunks = [c for c in plan.chunks if c.is_current]
+        if not plan.chunks:
             return None
-        step = _Step(StepPlan(chunks, plan.preempted), time.time())
+        self.scheduler.before_launch(plan)
+        chunks = order_chunks(plan.chunks)
+        step = _Step(plan, time.time())
         rows: list[int] = []
         offset = 0
         for chunk in chunks:
@@ -366,9 +429,8 @@ class LLMEngine:
                 step.sampling.append((chunk, len(rows)))
                 rows.append(offset + chunk.num_new_tokens - 1)
             offset += chunk.num_new_tokens
-        step.logits = self.executor.execute(
-            step_inputs(chunks, rows, self.config.block_size).pack()
-        )
+        inputs = step_inputs(chunks, rows, self.config.block_size, plan.cache_ops)
+        step.logits = self.executor.execute(inputs.pack())
         if self.executor.depth == 1:
             self._sample(step)  # queued behind the forward; results come back in _collect
         return step
@@ -398,7 +460,8 @@ class LLMEngine:
         """Wait for a step's tokens and apply them: counters, token and string stops."""
         if step.logits is not None:
             self._sample(step)  # a pipeline's logits arrive from the last stage
-        if step.pending is None:
+        if step.pending is None:  # no chunk samples: the update still settles them
+            self.scheduler.update(step.plan, {})
             return
         step.sampled = step.pending.result()
         sampled = {

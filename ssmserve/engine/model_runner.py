@@ -8,6 +8,7 @@ the few inside the methods here) line up across ranks.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -16,11 +17,11 @@ from ssmserve.config import EngineConfig, ModelConfig
 from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.kernels import get_ops
 from ssmserve.layers.batch import ForwardBatch, StepInputs
-from ssmserve.layers.cache import LayerCache, allocate_caches, cache_bytes
+from ssmserve.layers.cache import LayerCache, allocate_caches, apply_cache_copies, cache_bytes
 from ssmserve.loader import init_dummy_weights, load_weights
 from ssmserve.models.base import ModelContext, PipelineStage
 from ssmserve.models.registry import model_class
-from ssmserve.scheduler.plan import ScheduledChunk
+from ssmserve.scheduler.plan import CacheOps, ScheduledChunk
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,13 @@ class ModelRunner:
         """Bytes of one KV block and of one state slot of this rank's layers."""
         return cache_bytes(self.cache_specs, self.block_size, self.dtype, self.state_dtype)
 
+    def state_snapshot_multiple(self) -> int | None:
+        """What every absolute position of a state snapshot inside a prefill chunk must be
+        a multiple of (the least common multiple over the SSM layers; None: any)."""
+        multiples = [s.state.snapshot_multiple for s in self.cache_specs if s.state]
+        multiples = [m for m in multiples if m is not None]
+        return math.lcm(*multiples) if multiples else None
+
     def gpu_cache_budget(self, max_num_batched_tokens: int) -> int:
         """Bytes left for caches on this GPU after the weights and the measured activation
         peak of a full-budget forward."""
@@ -113,7 +121,8 @@ class ModelRunner:
 
     def setup(self, plan: CachePlan, max_num_batched_tokens: int) -> None:
         """Allocate the planned caches, then capture decode graphs where they apply."""
-        self.allocate_caches(plan.num_kv_blocks, plan.num_state_slots)
+        # State rows: the slots, then the prefix-caching checkpoints.
+        self.allocate_caches(plan.num_kv_blocks, plan.num_state_slots + plan.num_state_checkpoints)
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
         if self.ops.backend == "torch":
@@ -141,8 +150,11 @@ class ModelRunner:
         self, packed: torch.Tensor, received: dict[str, torch.Tensor] | None = None
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         """Logits of one packed step (StepInputs.pack), by graph replay where it can; a
-        pipeline stage before the last returns what it sends the next stage."""
+        pipeline stage before the last returns what it sends the next stage. The step's
+        cache copies (prefix caching) come first, outside any graph."""
         batch = ForwardBatch.from_packed(packed, self.device)
+        if batch.cache_copies is not None:
+            apply_cache_copies(self.caches, batch.cache_copies)
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         out = self.model(batch, self.caches, received)
@@ -192,10 +204,17 @@ def order_chunks(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
 
 
 def step_inputs(
-    chunks: list[ScheduledChunk], logits_rows: list[int], block_size: int
+    chunks: list[ScheduledChunk],
+    logits_rows: list[int],
+    block_size: int,
+    cache_ops: CacheOps | None = None,
 ) -> StepInputs:
     """The host inputs of one step; `chunks` must be in `order_chunks` order."""
     inputs = StepInputs(logits_indices=logits_rows)
+    if cache_ops is not None:
+        inputs.state_saves = cache_ops.state_saves
+        inputs.state_restores = cache_ops.state_restores
+        inputs.block_copies = cache_ops.block_copies
     for chunk in chunks:
         req = chunk.request
         inputs.num_decodes += chunk.is_decode
@@ -206,4 +225,6 @@ def step_inputs(
             block_size,
             req.state_slot,
         )
+        prefill_index = len(inputs.seq_lens) - 1 - inputs.num_decodes
+        inputs.snapshots.extend((prefill_index, k, row) for k, row in chunk.snapshots)
     return inputs

@@ -223,4 +223,5 @@ class OutputProcessor:
             outputs=outputs,
             finished=group.finished,
             metrics=group.metrics,
+            num_cached_tokens=group.samples[0].request.num_cached_tokens,
         )

@@ -174,6 +174,58 @@ def check_varlen(
     return [(cu[i], cu[i + 1], slots[i], bool(init[i])) for i in range(num_seqs)]
 
 
+def check_snapshot_shapes(
+    snapshot_seqs: torch.Tensor | None,
+    snapshot_lens: torch.Tensor | None,
+    snapshot_slots: torch.Tensor | None,
+) -> int:
+    """Check the shapes of a scan's optional snapshot arguments (all three or none, [M]
+    each); return M, 0 without snapshots."""
+    given = [t is not None for t in (snapshot_seqs, snapshot_lens, snapshot_slots)]
+    if not any(given):
+        return 0
+    if not all(given):
+        raise ValueError(
+            "snapshot_seqs, snapshot_lens and snapshot_slots go together; pass all three or none"
+        )
+    check_shape("snapshot_seqs", snapshot_seqs, [None])
+    num = snapshot_seqs.shape[0]
+    check_shape("snapshot_lens", snapshot_lens, [num])
+    check_shape("snapshot_slots", snapshot_slots, [num])
+    return num
+
+
+def check_snapshots(
+    snapshot_seqs: torch.Tensor | None,
+    snapshot_lens: torch.Tensor | None,
+    snapshot_slots: torch.Tensor | None,
+    seqs: list[tuple[int, int, int, bool]],
+    num_slots: int,
+) -> dict[int, dict[int, int]]:
+    """Validate snapshot arguments against `check_varlen`'s sequences; return
+    {sequence: {tokens into it: slot}}."""
+    by_seq: dict[int, dict[int, int]] = {}
+    if check_snapshot_shapes(snapshot_seqs, snapshot_lens, snapshot_slots) == 0:
+        return by_seq
+    listed = zip(snapshot_seqs.tolist(), snapshot_lens.tolist(), snapshot_slots.tolist())
+    used = {slot for _, _, slot, _ in seqs}
+    for seq, length, slot in listed:
+        if not 0 <= seq < len(seqs):
+            raise ValueError(f"snapshot_seqs must lie in [0, {len(seqs)}), got {seq}")
+        start, end, _, _ = seqs[seq]
+        if not 1 <= length <= end - start:
+            raise ValueError(
+                f"snapshot_lens must lie in [1, {end - start}] for sequence {seq}, got {length}"
+            )
+        if not 0 <= slot < num_slots or slot in used:
+            raise ValueError(
+                f"snapshot_slots must be state rows in [0, {num_slots}) that no sequence "
+                f"of the call uses, got {slot}"
+            )
+        by_seq.setdefault(seq, {})[length] = slot
+    return by_seq
+
+
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 

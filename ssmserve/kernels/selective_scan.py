@@ -7,7 +7,8 @@ Per channel d and state index n, for each token t of a sequence:
     y_t     = sum_n h_t[n] * C_t[n] + D[d] * u_t;   y_t *= silu(z_t) if z is given
 
 h_{-1} is the slot state if has_initial_state else zeros; the final h goes back to
-the slot.
+the slot. Snapshots (prefix caching) also write h after the first k tokens of a sequence
+into other rows of the state pool, at any k.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 
 from ssmserve.kernels._common import (
     check_shape,
+    check_snapshot_shapes,
+    check_snapshots,
     check_varlen,
     check_varlen_shapes,
     device_function,
@@ -79,6 +82,9 @@ def selective_scan_varlen_ref(
     z: torch.Tensor | None = None,
     delta_bias: torch.Tensor | None = None,
     delta_softplus: bool = True,
+    snapshot_seqs: torch.Tensor | None = None,
+    snapshot_lens: torch.Tensor | None = None,
+    snapshot_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen selective scan (Mamba1 prefill) in PyTorch, float32 state math.
 
@@ -91,12 +97,19 @@ def selective_scan_varlen_ref(
         ssm_state: [num_slots, Dm, N] pool, updated in place at state_slots.
         state_slots: [S] int. has_initial_state: [S] bool.
         z: [T, Dm] gate or None. delta_bias: [Dm] or None.
+        snapshot_seqs, snapshot_lens, snapshot_slots: [M] int each, or None (all three or
+            none): ssm_state[snapshot_slots[i]] receives the state of sequence
+            snapshot_seqs[i] after its first snapshot_lens[i] tokens (1 <= lens <= its
+            length; rows that no sequence of the call uses; sorted by sequence, then
+            length, for the Triton kernel).
 
     Returns:
         y: [T, Dm] in u.dtype.
     """
     T, Dm, N = _check_selective_scan_args(u, delta, A, B, C, D, ssm_state, z, delta_bias)
+    check_snapshot_shapes(snapshot_seqs, snapshot_lens, snapshot_slots)
     seqs = check_varlen(cu_seqlens, state_slots, has_initial_state, T, ssm_state.shape[0])
+    cuts = check_snapshots(snapshot_seqs, snapshot_lens, snapshot_slots, seqs, ssm_state.shape[0])
     delta_f = delta.float()
     if delta_bias is not None:
         delta_f = delta_f + delta_bias.float()
@@ -104,10 +117,13 @@ def selective_scan_varlen_ref(
         delta_f = F.softplus(delta_f)
     A_f = A.float()
     y = torch.empty(T, Dm, dtype=torch.float32, device=u.device)
-    for start, end, slot, has_init in seqs:
+    for index, (start, end, slot, has_init) in enumerate(seqs):
         state = ssm_state[slot].float() if has_init else u.new_zeros(Dm, N, dtype=torch.float32)
-        for c0 in range(start, end, _REF_BLOCK):
-            c1 = min(c0 + _REF_BLOCK, end)
+        snaps = cuts.get(index, {})
+        # Blocks end every _REF_BLOCK tokens and at snapshots.
+        ends = {*range(start + _REF_BLOCK, end, _REF_BLOCK), *(start + k for k in snaps)}
+        ends = sorted(ends - {end})
+        for c0, c1 in zip([start, *ends], [*ends, end], strict=True):
             decay = torch.exp(delta_f[c0:c1, :, None] * A_f)  # [L, Dm, N]
             states = (delta_f[c0:c1] * u[c0:c1].float())[:, :, None] * B[c0:c1, None, :].float()
             # A per-token loop of one fused multiply-add on a [Dm, N] state that stays in
@@ -117,6 +133,8 @@ def selective_scan_varlen_ref(
                 state = states[t]
             y[c0:c1] = torch.einsum("tdn,tn->td", states, C[c0:c1].float())
             state = state.clone()
+            if c1 - start in snaps:
+                ssm_state[snaps[c1 - start]] = state.to(ssm_state.dtype)
         ssm_state[slot] = state.to(ssm_state.dtype)
     if D is not None:
         y += D.float() * u.float()
@@ -164,6 +182,9 @@ def _selective_scan_kernel(
     cu_seqlens_ptr,
     state_slots_ptr,
     has_init_ptr,
+    snapshot_first_ptr,
+    snapshot_lens_ptr,
+    snapshot_slots_ptr,
     Dm,
     N,
     stride_u_t,
@@ -188,6 +209,7 @@ def _selective_scan_kernel(
     HAS_DELTA_BIAS: tl.constexpr,
     DELTA_SOFTPLUS: tl.constexpr,
     FAST_LOG: tl.constexpr,
+    HAS_SNAPSHOTS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -245,6 +267,14 @@ def _selective_scan_kernel(
     if HAS_Z:
         z_ptrs = z_ptr + rows[:, None] * stride_z_t + offs_d[None, :] * stride_z_d
         z_next = tl.load(z_ptrs, mask=mask_td, other=0.0)
+    if HAS_SNAPSHOTS:
+        # This sequence's snapshots, sorted by length: the next one's length, or one that
+        # no block reaches when there is none.
+        snapshot = tl.load(snapshot_first_ptr + seq)
+        snapshot_end = tl.load(snapshot_first_ptr + seq + 1)
+        next_len = tl.load(
+            snapshot_lens_ptr + snapshot, mask=snapshot < snapshot_end, other=end - start + BLOCK_T
+        )
     for t0 in range(start, end, BLOCK_T):
         u = u_next.to(tl.float32)
         delta = delta_next.to(tl.float32)
@@ -294,6 +324,26 @@ def _selective_scan_kernel(
         _, hs = tl.associative_scan((decay, value), 0, _first_order_combine)
         y = tl.sum(tl.sum(hs * c[:, :, None, :], axis=1), axis=2)
         h = tl.sum(tl.where(offs_t[:, None, None, None] == BLOCK_T - 1, hs, 0.0), axis=0)
+        if HAS_SNAPSHOTS:
+            # Snapshots whose last token is in this block: the scanned state at that row.
+            while next_len <= t0 - start + BLOCK_T:
+                k = next_len - 1 - (t0 - start)
+                h_k = tl.sum(tl.where(offs_t[:, None, None, None] == k, hs, 0.0), axis=0)
+                row = tl.load(snapshot_slots_ptr + snapshot).to(tl.int64)
+                tl.store(
+                    state_ptr
+                    + row * stride_s_slot
+                    + offs_d[None, :, None] * stride_s_d
+                    + offs_n[:, None, :] * stride_s_n,
+                    h_k.to(state_ptr.dtype.element_ty),
+                    mask=mask_dn,
+                )
+                snapshot += 1
+                next_len = tl.load(
+                    snapshot_lens_ptr + snapshot,
+                    mask=snapshot < snapshot_end,
+                    other=end - start + BLOCK_T,
+                )
         if HAS_D:
             y += D[None, :] * u
         if HAS_Z:
@@ -365,19 +415,28 @@ def selective_scan_varlen_triton(
     z: torch.Tensor | None = None,
     delta_bias: torch.Tensor | None = None,
     delta_softplus: bool = True,
+    snapshot_seqs: torch.Tensor | None = None,
+    snapshot_lens: torch.Tensor | None = None,
+    snapshot_slots: torch.Tensor | None = None,
     config: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Triton twin of `selective_scan_varlen_ref` (same arguments, shapes and result).
 
-    No host sync; cu_seqlens and slot values are not validated (slots must be valid
-    and distinct). `config` overrides launch parameters (see `scan_launch_config`;
-    benchmarks and tests only).
+    No host sync; cu_seqlens, slot and snapshot values are not validated (slots must be
+    valid and distinct, snapshots sorted by sequence, then length). `config` overrides
+    launch parameters (see `scan_launch_config`; benchmarks and tests only).
     """
     T, Dm, N = _check_selective_scan_args(u, delta, A, B, C, D, ssm_state, z, delta_bias)
     S = check_varlen_shapes(cu_seqlens, state_slots, has_initial_state)
+    num_snapshots = check_snapshot_shapes(snapshot_seqs, snapshot_lens, snapshot_slots)
     y = torch.empty_like(u)
     if S == 0:
         return y
+    snapshot_first = None
+    if num_snapshots:
+        # Sequence s's snapshots are entries snapshot_first[s]:snapshot_first[s + 1].
+        bounds = torch.arange(S + 1, device=u.device, dtype=snapshot_seqs.dtype)
+        snapshot_first = torch.searchsorted(snapshot_seqs, bounds).to(torch.int32)
     cfg = scan_launch_config(S, Dm, N, T, u.device, config)
     if cfg["float_bc"]:
         B, C = B.float(), C.float()
@@ -396,6 +455,9 @@ def selective_scan_varlen_triton(
         cu_seqlens,
         state_slots,
         has_initial_state.to(torch.int8),
+        snapshot_first,
+        snapshot_lens,
+        snapshot_slots,
         Dm,
         N,
         *u.stride(),
@@ -411,6 +473,7 @@ def selective_scan_varlen_triton(
         HAS_DELTA_BIAS=delta_bias is not None,
         DELTA_SOFTPLUS=delta_softplus,
         FAST_LOG=not interpret_mode(),
+        HAS_SNAPSHOTS=num_snapshots > 0,
         BLOCK_T=cfg["block_t"],
         BLOCK_D=cfg["block_d"],
         BLOCK_N=next_pow2(N),

@@ -7,8 +7,9 @@ Per head h (group g = h // (H // G)), for each token t of a sequence:
     y_t   = S_t @ C_t + D * x_t;   y_t *= silu(z_t) if z is given
 
 S_{-1} is the sequence's slot state if has_initial_state else zeros; the final S is
-written back to the slot. The chunked form (used by both twin and kernels) computes,
-per chunk of L tokens with cum_i = sum_{k<=i} dt_k A:
+written back to the slot. Snapshots (prefix caching) also write S after the first k
+tokens of a sequence into other rows of the state pool. The chunked form (used by both
+twin and kernels) computes, per chunk of L tokens with cum_i = sum_{k<=i} dt_k A:
 
     y_i = sum_{j<=i} (C_i . B_j) exp(cum_i - cum_j) dt_j x_j + exp(cum_i) (S_in @ C_i)
     S_out = exp(cum_L) S_in + sum_j exp(cum_L - cum_j) dt_j outer(x_j, B_j)
@@ -29,6 +30,8 @@ import torch.nn.functional as F
 
 from ssmserve.kernels._common import (
     check_shape,
+    check_snapshot_shapes,
+    check_snapshots,
     check_varlen,
     check_varlen_shapes,
     interpret_mode,
@@ -57,6 +60,7 @@ def _check_ssd_args(
     z: torch.Tensor | None,
     chunk_size: int,
     start_positions: torch.Tensor | None,
+    snapshots: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
 ) -> tuple[int, int, int, int, int]:
     check_shape("x", x, [None, None, None])
     T, H, P = x.shape
@@ -79,6 +83,7 @@ def _check_ssd_args(
         check_shape("start_positions", start_positions, [S])
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    check_snapshot_shapes(*snapshots)
     return T, H, P, G, N
 
 
@@ -100,6 +105,9 @@ def ssd_scan_varlen_ref(
     z: torch.Tensor | None = None,
     chunk_size: int = 256,
     start_positions: torch.Tensor | None = None,
+    snapshot_seqs: torch.Tensor | None = None,
+    snapshot_lens: torch.Tensor | None = None,
+    snapshot_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen SSD scan (Mamba2 prefill) in PyTorch, float32 state math.
 
@@ -121,10 +129,17 @@ def ssd_scan_varlen_ref(
             token. Chunks are aligned to multiples of chunk_size in absolute positions: a
             sequence resumed mid-chunk starts with a shortened chunk, so its later chunks
             are the ones a single pass over the whole sequence would have made.
+        snapshot_seqs, snapshot_lens, snapshot_slots: [M] int each, or None (all three
+            or none): ssm_state[snapshot_slots[i]] receives the state of sequence
+            snapshot_seqs[i] after its first snapshot_lens[i] tokens (1 <= lens <= its
+            length; rows that no sequence of the call uses). The twin takes any length;
+            the Triton kernels need each snapshot on a chunk boundary: start position +
+            length a multiple of `chunk_tokens(chunk_size)`, or the sequence's end.
 
     Returns:
         y: [T, H, P] in x.dtype.
     """
+    snapshots = (snapshot_seqs, snapshot_lens, snapshot_slots)
     T, H, P, G, N = _check_ssd_args(
         x,
         dt,
@@ -140,24 +155,31 @@ def ssd_scan_varlen_ref(
         z,
         chunk_size,
         start_positions,
+        snapshots,
     )
     seqs = check_varlen(cu_seqlens, state_slots, has_initial_state, T, ssm_state.shape[0])
+    cuts = check_snapshots(*snapshots, seqs, ssm_state.shape[0])
     offsets = [0] * len(seqs) if start_positions is None else start_positions.tolist()
     heads_per_group = H // G
     dt_all = process_dt(dt, dt_bias, dt_softplus, dt_limit)  # [T, H]
     A_gh = A.float().view(G, heads_per_group)
     y = torch.empty(T, H, P, dtype=torch.float32, device=x.device)
-    for (start, end, slot, has_init), position in zip(seqs, offsets, strict=True):
+    for index, ((start, end, slot, has_init), position) in enumerate(
+        zip(seqs, offsets, strict=True)
+    ):
         if has_init:
             state = ssm_state[slot].float().view(G, heads_per_group, P, N)
         else:
             state = x.new_zeros(G, heads_per_group, P, N, dtype=torch.float32)
-        # Chunk ends at absolute multiples of chunk_size.
-        first_end = start + chunk_size - position % chunk_size
-        for c0 in [start, *range(first_end, end, chunk_size)]:
-            if c0 >= end:
-                break
-            c1 = min(end, first_end if c0 == start else c0 + chunk_size)
+        snaps = cuts.get(index, {})
+        # Chunk ends at absolute multiples of chunk_size, and at snapshots.
+        ends = set(range(start + chunk_size - position % chunk_size, end, chunk_size))
+        ends.update(start + k for k in snaps)
+        ends.add(end)
+        c0 = start
+        for c1 in sorted(ends):
+            if c1 == c0:
+                continue  # an empty sequence
             length = c1 - c0
             x_c = x[c0:c1].float().view(length, G, heads_per_group, P)
             dt_c = dt_all[c0:c1].view(length, G, heads_per_group)
@@ -178,6 +200,9 @@ def ssd_scan_varlen_ref(
                 "jghp,jgn->ghpn", decay_to_end[..., None] * x_c, B_c
             )
             y[c0:c1] = y_c.reshape(length, H, P)
+            if c1 - start in snaps:
+                ssm_state[snaps[c1 - start]] = state.reshape(H, P, N).to(ssm_state.dtype)
+            c0 = c1
         ssm_state[slot] = state.reshape(H, P, N).to(ssm_state.dtype)
     if D is not None:
         y += D.float()[:, None] * x.float()
@@ -371,6 +396,7 @@ def _ssd_chunk_scan_kernel(
     state_slots_ptr,
     has_init_ptr,
     state_ptr,
+    snapshot_row_ptr,
     ring_ptr,
     ticket_ptr,
     published_ptr,
@@ -399,6 +425,7 @@ def _ssd_chunk_scan_kernel(
     stride_s_n,
     HAS_D: tl.constexpr,
     HAS_Z: tl.constexpr,
+    HAS_SNAPSHOTS: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -486,6 +513,19 @@ def _ssd_chunk_scan_kernel(
                 cache_modifier=".cg",
             )
         state_out = state_in * tl.exp2(total) + contrib
+        if HAS_SNAPSHOTS:
+            # Prefix caching: the state at this chunk's end, into a checkpoint row.
+            snapshot_row = tl.load(snapshot_row_ptr + chunk).to(tl.int64)
+            if snapshot_row >= 0:
+                tl.store(
+                    state_ptr
+                    + snapshot_row * stride_s_slot
+                    + head * stride_s_h
+                    + offs_n[:, None] * stride_s_n
+                    + offs_p[None, :] * stride_s_p,
+                    state_out.to(state_ptr.dtype.element_ty),
+                    mask=mask_n[:, None] & mask_p[None, :],
+                )
         if chunk + 1 == last:
             tl.store(
                 slot_head + offs_n[:, None] * stride_s_n + offs_p[None, :] * stride_s_p,
@@ -735,11 +775,17 @@ def _prepare(
     z: torch.Tensor | None,
     chunk_size: int,
     start_positions: torch.Tensor | None,
+    snapshots: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] = (
+        None,
+        None,
+        None,
+    ),
 ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor] | None]:
     """Check the arguments and run launch 1 (`_chunk_layout`), as both kernel paths start.
 
     Returns y (empty, x's shape and dtype), the chunk, and the layout (None when there are
-    no sequences: nothing to launch).
+    no sequences: nothing to launch). With snapshots, the layout's "snapshot_row" maps
+    each chunk id to the state row its end state goes to (-1: none).
     """
     _check_ssd_args(
         x,
@@ -756,6 +802,7 @@ def _prepare(
         z,
         chunk_size,
         start_positions,
+        snapshots,
     )
     y = torch.empty_like(x)
     chunk = chunk_tokens(chunk_size)
@@ -764,6 +811,16 @@ def _prepare(
     layout = _chunk_layout(
         dt, A, dt_bias, cu_seqlens, start_positions, chunk, dt_softplus, dt_limit
     )
+    seqs, lens, rows = snapshots
+    if seqs is not None and seqs.shape[0] > 0:
+        # The chunk a snapshot ends: the sequence's first chunk is shortened by its start
+        # position mod chunk, so its k-th chunk ends (k + 1) * chunk - offset tokens in.
+        seqs = seqs.long()
+        offset = 0 if start_positions is None else start_positions.long()[seqs] % chunk
+        ends = layout["seq_first_chunk"].long()[seqs] + (offset + lens.long() + chunk - 1) // chunk
+        snapshot_row = torch.full_like(layout["chunk_len"], -1)
+        snapshot_row[ends - 1] = rows.to(snapshot_row.dtype)
+        layout["snapshot_row"] = snapshot_row
     return y, chunk, layout
 
 
@@ -833,6 +890,7 @@ def _scan_chunks(
         state_slots,
         has_initial_state.to(torch.int8),
         ssm_state,
+        layout.get("snapshot_row"),
         ring,
         counters,
         counters[1:],
@@ -848,6 +906,7 @@ def _scan_chunks(
         *ssm_state.stride(),
         HAS_D=D is not None,
         HAS_Z=z is not None,
+        HAS_SNAPSHOTS="snapshot_row" in layout,
         CHUNK=chunk,
         BLOCK=block,
         BLOCK_T=block_t,
@@ -880,6 +939,9 @@ def ssd_scan_varlen_triton(
     z: torch.Tensor | None = None,
     chunk_size: int = 256,
     start_positions: torch.Tensor | None = None,
+    snapshot_seqs: torch.Tensor | None = None,
+    snapshot_lens: torch.Tensor | None = None,
+    snapshot_slots: torch.Tensor | None = None,
     config: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Triton twin of `ssd_scan_varlen_ref` (same arguments, shapes and result).
@@ -890,8 +952,10 @@ def ssd_scan_varlen_triton(
     token and head), C.B^T per chunk and group, and a float32 ring of two states per head
     (8 MiB at Bamba-9B dims). No host sync (CUDA-graph safe): chunk metadata is computed
     on the device. cu_seqlens, state_slots and has_initial_state values are not
-    validated: slots must be valid and distinct. `config` overrides launch parameters
-    (see `scan_launch_config`; benchmarks and tests only). This is the portable kernel;
+    validated: slots must be valid and distinct. Snapshots must end on chunk boundaries
+    (see the twin; not validated either): the program of the chunk a snapshot ends
+    stores its end state there too. `config` overrides launch parameters (see
+    `scan_launch_config`; benchmarks and tests only). This is the portable kernel;
     ssd_scan_hopper.ssd_scan_varlen_hopper is the sm_90 one.
     """
     y, chunk, layout = _prepare(
@@ -911,6 +975,7 @@ def ssd_scan_varlen_triton(
         z,
         chunk_size,
         start_positions,
+        (snapshot_seqs, snapshot_lens, snapshot_slots),
     )
     cfg = scan_launch_config(x.dtype, chunk, config)
     if layout is not None:

@@ -21,6 +21,9 @@ Partitions (gl.warp_specialize), synchronised by mbarriers only:
 - two output partitions (4 warps each): even and odd blocks, 64 rows each, each whole
   block sent to y by one TMA store from a shared tile.
 
+Prefix-caching snapshots: the state partition also stores a chunk's end state into the
+checkpoint row the metadata's "snapshot_row" gives that chunk (-1: none).
+
 `ssd_scan_varlen_hopper` is the op of kernel_backend "hopper": the metadata launch of
 ssd_scan.py, then this kernel where `hopper_scan_usable` says it takes the call, else the
 Triton-language kernels. docs/kernels.md has the measurements.
@@ -194,8 +197,10 @@ def _state(descs, bufs, bars, ptrs, scal):
     dtype: gl.constexpr = x_s.dtype
     chunk_len_ptr, chunk_seq_ptr = ptrs[1], ptrs[2]
     state_ptr, state_slots_ptr, has_init_ptr = ptrs[7], ptrs[8], ptrs[9]
+    snapshot_row_ptr = ptrs[12]
     num_chunks, head = scal[0], scal[1]
     stride_s_slot, stride_s_h, stride_s_p = scal[4], scal[5], scal[6]
+    has_snapshots = scal[12]
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16]
     )
@@ -261,6 +266,17 @@ def _state(descs, bufs, bars, ptrs, scal):
             mbarrier.arrive(bars.index(EMPTY + s), count=1)
             a, end = a_next, end_next
             g += 1
+        if has_snapshots != 0:
+            snapshot_row = gl.load(snapshot_row_ptr + c).to(gl.int64)
+            if snapshot_row >= 0:
+                gl.store(
+                    state_ptr
+                    + snapshot_row * stride_s_slot
+                    + head * stride_s_h
+                    + offs_p[:, None] * stride_s_p
+                    + offs_n[None, :],
+                    state.to(state_ptr.dtype.element_ty),
+                )
         if (seq_next != seq) | (c + 1 == num_chunks):
             slot = gl.load(state_slots_ptr + seq).to(gl.int64)
             gl.store(
@@ -401,9 +417,11 @@ def _ssd_scan_hopper_kernel(
     state_slots_ptr,
     has_init_ptr,
     state_ptr,
+    snapshot_row_ptr,
     H,
     G,
     has_z,
+    has_snapshots,
     stride_z_t,
     stride_z_h,
     stride_y_t,
@@ -451,6 +469,7 @@ def _ssd_scan_hopper_kernel(
         has_init_ptr,
         y_desc,
         y_s,
+        snapshot_row_ptr,
     )
     scal = (
         num_chunks,
@@ -465,6 +484,7 @@ def _ssd_scan_hopper_kernel(
         has_z,
         stride_z_t,
         stride_z_h,
+        has_snapshots,
     )
     args = (descs, bufs, bars, ptrs, scal)
     gl.warp_specialize(
@@ -487,7 +507,7 @@ def launch_hopper_scan(
     has_initial_state: torch.Tensor,
 ) -> None:
     """Launch the kernel after ssd_scan.py's metadata launch (`layout` is
-    ssd_scan._chunk_layout's): one CTA per head."""
+    ssd_scan._prepare's): one CTA per head."""
     T, H, P = x.shape
     G, N = B.shape[1:]
     bf16 = gl.bfloat16
@@ -516,6 +536,7 @@ def launch_hopper_scan(
     )
     D = D if D is not None else torch.zeros(H, device=x.device)
     z_strides = z.stride()[:2] if z is not None else (0, 0)
+    snapshot_row = layout.get("snapshot_row")
     _ssd_scan_hopper_kernel[(H,)](
         x_desc,
         b_desc,
@@ -535,9 +556,11 @@ def launch_hopper_scan(
         state_slots,
         has_initial_state.to(torch.int8),
         ssm_state,
+        snapshot_row if snapshot_row is not None else layout["chunk_seq"],
         H,
         G,
         int(z is not None),
+        int(snapshot_row is not None),
         *z_strides,
         y.stride(0),
         y.stride(1),
@@ -568,9 +591,12 @@ def ssd_scan_varlen_hopper(
     z: torch.Tensor | None = None,
     chunk_size: int = 256,
     start_positions: torch.Tensor | None = None,
+    snapshot_seqs: torch.Tensor | None = None,
+    snapshot_lens: torch.Tensor | None = None,
+    snapshot_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The SSD scan of kernel_backend "hopper" (same arguments, shapes and result as
-    ssd_scan.ssd_scan_varlen_ref).
+    ssd_scan.ssd_scan_varlen_ref; snapshots as in ssd_scan.ssd_scan_varlen_triton).
 
     After the chunk metadata launch, the Gluon kernel runs where `hopper_scan_usable` says
     it takes the call (bf16 inputs, head dim 64, state dim 64 or 128, 256-token chunks,
@@ -598,6 +624,7 @@ def ssd_scan_varlen_hopper(
         z,
         chunk_size,
         start_positions,
+        (snapshot_seqs, snapshot_lens, snapshot_slots),
     )
     if layout is None:
         return y

@@ -9,18 +9,44 @@ path for the rest.
 Every index array of a step travels as one packed int64 tensor (`StepInputs.pack`): one
 host-to-device copy per step, and under tensor parallelism the one message rank 0
 broadcasts to the other ranks. `ForwardBatch.from_packed` is the one place a batch is
-made from it.
+made from it. Prefix caching's per-step work travels in it too: the cache copies made
+before the forward (`CacheCopies`) and the chunk-boundary state snapshots the SSM scans
+write (`ForwardBatch.snapshots_p`), so every rank does the same to its own shard.
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-# Header of a packed step: sizes first, then the flat parts in _PARTS order.
-HEADER = ("num_tokens", "num_seqs", "num_logits", "table_width", "num_decodes")
+# Header of a packed step: sizes first, then the flat parts in `pack` order.
+HEADER = (
+    "num_tokens",
+    "num_seqs",
+    "num_logits",
+    "table_width",
+    "num_decodes",
+    "num_state_saves",
+    "num_state_restores",
+    "num_block_copies",
+    "num_snapshots",
+)
 HEADER_LEN = len(HEADER)
+
+
+class CacheCopies(NamedTuple):
+    """Row copies made in every layer's caches before a forward, saves first: state
+    slot -> checkpoint row, then checkpoint row -> state slot, and KV block -> block."""
+
+    save_slots: torch.Tensor  # [n] int64
+    save_rows: torch.Tensor
+    restore_rows: torch.Tensor  # [m] int64
+    restore_slots: torch.Tensor
+    block_sources: torch.Tensor  # [b] int64
+    block_destinations: torch.Tensor
 
 
 @dataclass
@@ -37,6 +63,12 @@ class StepInputs:
     block_tables: list[list[int]] = field(default_factory=list)  # [S][blocks]
     logits_indices: list[int] = field(default_factory=list)  # [K] rows whose logits count
     num_decodes: int = 0
+    # Prefix caching: (slot, row) saves, (row, slot) restores, (source, destination)
+    # block copies, and snapshots: prefill sequence index, tokens into its chunk, row.
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    snapshots: list[tuple[int, int, int]] = field(default_factory=list)
 
     def add_sequence(
         self,
@@ -49,13 +81,22 @@ class StepInputs:
         """Append one sequence's chunk: `token_ids` at positions start, start+1, ..."""
         end = start + len(token_ids)
         self.input_ids.extend(token_ids)
-        self.positions.extend(range(start, end))
-        if block_ids:
-            self.slot_mapping.extend(
-                block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)
+        if end == start + 1:  # a decode: the common case, kept cheap
+            self.positions.append(start)
+            self.slot_mapping.append(
+                block_ids[start // block_size] * block_size + start % block_size
+                if block_ids
+                else -1
             )
         else:
-            self.slot_mapping.extend([-1] * len(token_ids))
+            self.positions.extend(range(start, end))
+            if block_ids:
+                self.slot_mapping.extend(
+                    block_ids[p // block_size] * block_size + p % block_size
+                    for p in range(start, end)
+                )
+            else:
+                self.slot_mapping.extend([-1] * len(token_ids))
         self.query_start_loc.append(self.query_start_loc[-1] + len(token_ids))
         self.seq_lens.append(end)
         self.context_lens.append(start)
@@ -65,27 +106,41 @@ class StepInputs:
     def pack(self) -> torch.Tensor:
         """Header + every part, as one int64 CPU tensor."""
         width = max((len(t) for t in self.block_tables), default=0) or 1
-        tables = [b for t in self.block_tables for b in t + [0] * (width - len(t))]
         header = [
             len(self.input_ids),
             len(self.seq_lens),
             len(self.logits_indices),
             width,
             self.num_decodes,
+            len(self.state_saves),
+            len(self.state_restores),
+            len(self.block_copies),
+            len(self.snapshots),
         ]
-        return torch.tensor(
-            header
-            + self.input_ids
-            + self.positions
-            + self.slot_mapping
-            + self.query_start_loc
-            + self.seq_lens
-            + self.context_lens
-            + self.state_slots
-            + self.logits_indices
-            + tables,
-            dtype=torch.long,
-        )
+        # array('q') takes lists at C speed and hands torch its buffer without a copy:
+        # several times cheaper than torch.tensor on a list this long (block tables).
+        out = array("q", header)
+        for part in (
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.query_start_loc,
+            self.seq_lens,
+            self.context_lens,
+            self.state_slots,
+            self.logits_indices,
+        ):
+            out.extend(part)
+        padding = [0] * width
+        for table in self.block_tables:
+            out.extend(table)
+            out.extend(padding[: width - len(table)])
+        for ops in (self.state_saves, self.state_restores, self.block_copies):
+            out.extend(p[0] for p in ops)
+            out.extend(p[1] for p in ops)
+        for i in (0, 1, 2):
+            out.extend(snapshot[i] for snapshot in self.snapshots)
+        return torch.frombuffer(out, dtype=torch.long)
 
 
 @dataclass
@@ -108,6 +163,11 @@ class ForwardBatch:
     # of each sequence and the tokens each had computed before this step.
     query_start_loc_host: tuple[int, ...] = ()
     context_lens_host: tuple[int, ...] = ()
+    # Prefix caching (None when the step has none): copies before the forward, and
+    # (prefill sequence index, tokens into its chunk, checkpoint row) of the states the
+    # SSM layers write at chunk boundaries, sorted by sequence then tokens.
+    cache_copies: CacheCopies | None = None
+    snapshots_p: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -144,10 +204,13 @@ class ForwardBatch:
         or already on `device`, with `host` its host copy when host values are wanted."""
         host = packed if host is None and packed.device.type == "cpu" else host
         head = (host if host is not None else packed)[:HEADER_LEN].tolist()
-        T, S, K, width, nd = head
+        T, S, K, width, nd, n_save, n_restore, n_copy, n_snap = head
         data = packed.to(device, non_blocking=True) if packed.device != device else packed
         sizes = [T, T, T, S + 1, S, S, S, K, S * width]
-        ids, pos, slots, qsl, lens, ctx, state, rows, tables = data[HEADER_LEN:].split(sizes)
+        sizes += [n_save] * 2 + [n_restore] * 2 + [n_copy] * 2 + [n_snap] * 3
+        parts = data[HEADER_LEN:].split(sizes)
+        ids, pos, slots, qsl, lens, ctx, state, rows, tables = parts[:9]
+        copies = CacheCopies(*parts[9:15]) if n_save + n_restore + n_copy else None
         qsl = qsl.to(torch.int32)
         qsl_host, ctx_host = (), ()
         if host is not None:
@@ -170,4 +233,6 @@ class ForwardBatch:
             start_positions_p=ctx[nd:],
             query_start_loc_host=qsl_host,
             context_lens_host=ctx_host,
+            cache_copies=copies,
+            snapshots_p=tuple(parts[15:]) if n_snap else None,
         )

@@ -6,15 +6,22 @@ slot). The model runner allocates a `LayerCache` per position from the memory pl
 passes the list to each forward; the decoder hands position i its own cache. Nothing is
 stored on modules, so a block whose weights serve several positions (a shared attention
 block) gets one cache per use.
+
+State tensors have a row per state slot and, after them, a row per prefix-caching
+checkpoint: saving and restoring a state is a row copy within each tensor
+(`apply_cache_copies`), on every rank for its own shard.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from ssmserve.layers.batch import CacheCopies
 
 
 def _elem(dtype: torch.dtype) -> int:
@@ -34,6 +41,9 @@ class KVCacheSpec:
 class StateSpec:
     conv_shape: tuple[int, ...]  # per slot, model dtype: [conv_dim, d_conv - 1]
     ssm_shape: tuple[int, ...]  # per slot, state dtype
+    # Absolute positions inside a prefill chunk where the scan can write its state must
+    # be multiples of this (the SSD kernels' chunk); None: any position.
+    snapshot_multiple: int | None = None
 
     def bytes_per_slot(self, dtype: torch.dtype, state_dtype: torch.dtype) -> int:
         return prod(self.conv_shape) * _elem(dtype) + prod(self.ssm_shape) * _elem(state_dtype)
@@ -51,8 +61,8 @@ class KVCache(NamedTuple):
 
 
 class SSMState(NamedTuple):
-    conv: torch.Tensor  # [num_slots, conv_dim, d_conv - 1]
-    ssm: torch.Tensor  # [num_slots, *ssm_shape]
+    conv: torch.Tensor  # [num_rows, conv_dim, d_conv - 1]: state slots, then checkpoints
+    ssm: torch.Tensor  # [num_rows, *ssm_shape]
 
 
 @dataclass
@@ -76,7 +86,7 @@ def allocate_caches(
     *,
     num_kv_blocks: int,
     block_size: int,
-    num_state_slots: int,
+    num_state_slots: int,  # state rows: slots plus checkpoints
     dtype: torch.dtype,
     state_dtype: torch.dtype,
     device: torch.device,
@@ -99,3 +109,59 @@ def allocate_caches(
             )
         caches.append(cache)
     return caches
+
+
+def apply_cache_copies(caches: list[LayerCache], copies: CacheCopies) -> None:
+    """Make a step's cache copies in every layer: state saves, then state restores (a
+    step may restore what it saves), then KV block copies."""
+    moves = (
+        (copies.save_slots, copies.save_rows, "state"),
+        (copies.restore_rows, copies.restore_slots, "state"),
+        (copies.block_sources, copies.block_destinations, "kv"),
+    )
+    for sources, destinations, kind in moves:
+        if sources.numel() == 0:
+            continue
+        for cache in caches:
+            tensors = cache.state if kind == "state" else cache.kv
+            for t in tensors or ():
+                t.index_copy_(0, destinations, t.index_select(0, sources))
+
+
+def snapshot_conv_states(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    snapshots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    """Write the conv state at chunk boundaries inside prefill sequences into checkpoint
+    rows, before the varlen conv overwrites the slots' states.
+
+    The conv state after k tokens of sequence s is its last K-1 inputs: rows
+    x[start_s + k - K + 1 : start_s + k], reaching back into the slot's state (zeros
+    without one) where k < K - 1. x: [T, Cd] the conv inputs of the prefill sequences;
+    conv_state: [rows, Cd, K-1]; snapshots: (sequence index, k, row), each [M]. Device
+    ops only (no host sync).
+    """
+    seqs, lens, rows = snapshots
+    width = conv_state.shape[2]
+    start = cu_seqlens.long()[seqs]  # [M]
+    t = (start + lens - width)[:, None] + torch.arange(width, device=x.device)  # [M, K-1]
+    inside = t >= start[:, None]
+    from_x = x[t.clamp(min=0)].transpose(1, 2)  # [M, Cd, K-1]
+    earlier = conv_state[state_slots[seqs]]  # [M, Cd, K-1], read before anything writes
+    offset = (width + t - start[:, None]).clamp(0, width - 1)[:, None, :].expand_as(earlier)
+    from_state = earlier.gather(2, offset) * has_initial_state[seqs, None, None]
+    conv_state[rows] = torch.where(inside[:, None, :], from_x.to(conv_state.dtype), from_state)
+
+
+def scan_snapshot_args(
+    snapshots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> dict[str, torch.Tensor]:
+    """The SSM scans' snapshot keyword arguments for a batch's `snapshots_p`."""
+    if snapshots is None:
+        return {}
+    names = ("snapshot_seqs", "snapshot_lens", "snapshot_slots")
+    return dict(zip(names, snapshots, strict=True))

@@ -20,8 +20,14 @@ from torch import nn
 
 from ssmserve.distributed.parallel import TensorParallel, shard_range
 from ssmserve.kernels import KernelOps
+from ssmserve.kernels.ssd_scan import chunk_tokens
 from ssmserve.layers.batch import ForwardBatch
-from ssmserve.layers.cache import SSMState, StateSpec
+from ssmserve.layers.cache import (
+    SSMState,
+    StateSpec,
+    scan_snapshot_args,
+    snapshot_conv_states,
+)
 from ssmserve.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -74,7 +80,9 @@ class Mamba2Mixer(nn.Module):
 
     Decode sequences (the batch's first `num_decodes`) take the one-token conv and state
     updates; the rest go through the varlen conv and SSD scan, resuming from their state
-    slot where `has_initial_state`. States are read and written by slot, in place.
+    slot where `has_initial_state`. States are read and written by slot, in place; the
+    batch's snapshots (prefix caching) also write conv and SSM states at chunk boundaries
+    into checkpoint rows.
     """
 
     def __init__(
@@ -168,6 +176,7 @@ class Mamba2Mixer(nn.Module):
         return StateSpec(
             (self.conv_dim, self.conv_kernel - 1),
             (self.num_heads, self.head_dim, self.state_size),
+            snapshot_multiple=chunk_tokens(self.chunk_size),
         )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: SSMState) -> torch.Tensor:
@@ -212,6 +221,9 @@ class Mamba2Mixer(nn.Module):
             slots = batch.state_slots[nd:]
             has_init = batch.has_initial_state[nd:]
             cu = batch.query_start_loc_p
+            snaps = batch.snapshots_p
+            if snaps is not None:
+                snapshot_conv_states(xbc[nd:], cache.conv, cu, slots, has_init, snaps)
             xbc_p = self.ops.causal_conv1d_varlen(
                 xbc[nd:],
                 conv_weight,
@@ -241,6 +253,7 @@ class Mamba2Mixer(nn.Module):
                     chunk_size=self.chunk_size,
                     # Chunks stay aligned however a prompt was split across steps.
                     start_positions=batch.start_positions_p,
+                    **scan_snapshot_args(snaps),
                 ).reshape(num_prefill_tokens, I)
             )
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

@@ -9,7 +9,12 @@ from torch import nn
 from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.kernels import KernelOps
 from ssmserve.layers.batch import ForwardBatch
-from ssmserve.layers.cache import SSMState, StateSpec
+from ssmserve.layers.cache import (
+    SSMState,
+    StateSpec,
+    scan_snapshot_args,
+    snapshot_conv_states,
+)
 from ssmserve.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -125,6 +130,9 @@ class MambaMixer(nn.Module):
             slots = batch.state_slots[nd:]
             has_init = batch.has_initial_state[nd:]
             cu = batch.query_start_loc_p
+            snaps = batch.snapshots_p
+            if snaps is not None:
+                snapshot_conv_states(xs[nd:], cache.conv, cu, slots, has_init, snaps)
             u = self.ops.causal_conv1d_varlen(
                 xs[nd:],
                 conv_weight,
@@ -151,6 +159,7 @@ class MambaMixer(nn.Module):
                     z=z[nd:],
                     delta_bias=dt_bias,
                     delta_softplus=True,
+                    **scan_snapshot_args(snaps),
                 )
             )
         y = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)

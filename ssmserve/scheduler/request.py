@@ -37,6 +37,7 @@ class Request:
         min_tokens: int = 0,
         eos_token_ids: tuple[int, ...] = (),
         stop_token_ids: tuple[int, ...] = (),
+        use_prefix_cache: bool = True,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -51,10 +52,19 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_pending_tokens = 0
+        # Tokens whose step has run and been collected (num_computed_tokens also counts
+        # planned chunks still in flight).
+        self.num_settled_tokens = 0
         self.block_ids: list[int] = []
         self.state_slot: int | None = None
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        # Prefix caching: whether admission may resume from cached tokens (not when every
+        # prompt position's logits are wanted), how many the first admission found, and
+        # how many leading blocks are registered by content.
+        self.use_prefix_cache = use_prefix_cache
+        self.num_cached_tokens = 0
+        self.num_committed_blocks = 0
 
     @property
     def num_tokens(self) -> int:

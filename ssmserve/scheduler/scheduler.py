@@ -6,11 +6,16 @@ import itertools
 import logging
 from collections import deque
 
-from ssmserve.cache import BlockPool, StatePool
+from ssmserve.cache import BlockPool, PrefixCache, PrefixHit, StatePool
 from ssmserve.scheduler.plan import ScheduledChunk, StepPlan
 from ssmserve.scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+# A waiting request holds back for a running one's checkpoints only to save at least
+# this many tokens: waiting costs it (and the queue behind it) a step, and a few dozen
+# tokens (a chat template's header) cost less to compute again.
+MIN_WAIT_GAIN = 64
 
 
 class Scheduler:
@@ -20,7 +25,9 @@ class Scheduler:
     requests still prefilling, then waiting requests in arrival order (preempted ones
     first). A prompt longer than the budget is split wherever the budget falls. When KV
     blocks run out, the newest running request is preempted: it gives back its blocks and
-    state slot and is recomputed from scratch later (its output so far becomes prompt).
+    state slot and is recomputed later (its output so far becomes prompt). With a
+    `prefix_cache`, an admitted request resumes from the deepest cached prefix of its
+    tokens, and the plan carries the cache copies and snapshots the step makes.
 
     NOTE: `running` stays in arrival order, and every running request arrived before every
     waiting one (admission is FIFO and preempted requests wait at the front), so
@@ -35,12 +42,14 @@ class Scheduler:
         max_tokens_per_request: int,
         block_pool: BlockPool | None,
         state_pool: StatePool | None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_tokens_per_request = max_tokens_per_request
         self.block_pool = block_pool
         self.state_pool = state_pool
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -68,6 +77,15 @@ class Scheduler:
         self, request: Request, status: RequestStatus, stop_reason: int | str | None = None
     ) -> None:
         assert status.finished
+        if (
+            self.prefix_cache is not None
+            and request.status == RequestStatus.RUNNING
+            and status != RequestStatus.FINISHED_ABORTED
+        ):
+            # The state after everything but the last token: what a follow-up turn needs.
+            # (The slot holds exactly that: the last token was sampled, never fed back,
+            # and a chunk planned for it after that step is dropped, not run.)
+            self.prefix_cache.save(request, len(request.all_token_ids) - 1)
         if request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
         elif request.status == RequestStatus.RUNNING:
@@ -105,13 +123,17 @@ class Scheduler:
                 remaining = request.num_tokens - request.num_computed_tokens
                 if remaining == 0 or (remaining == 1) != decodes or self._will_finish(request):
                     continue
-                n = min(remaining, budget)
+                n = self._chunk_tokens(request, budget)
                 while not self._reserve_blocks(request, n):
                     # NOTE: the victim is always the newest arrival, never an older request
                     # than the one asking; two requests preempting each other by turns
                     # would livelock. The oldest running request always makes progress.
                     victim = self.running[-1]
                     if victim is request:
+                        if self.prefix_cache is not None and self.prefix_cache.num_locking_steps:
+                            # Blocks a step in flight holds (a copy source, a checkpoint
+                            # it writes) come back when it is done: wait, not restart.
+                            break
                         self._preempt(request, plan)
                         break
                     victim_chunk = chunks.pop(victim.request_id, None)
@@ -127,16 +149,39 @@ class Scheduler:
             request = self.waiting[0]
             if self.state_pool is not None and self.state_pool.num_free == 0:
                 break
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve_blocks(request, n):
+            hit = None
+            if self.prefix_cache is not None and request.use_prefix_cache:
+                hit = self.prefix_cache.lookup(request.all_token_ids)
+                if self._should_wait(request, hit):
+                    break
+                if hit is not None:
+                    self.prefix_cache.hold(hit)
+                    request.num_computed_tokens = request.num_settled_tokens = hit.position
+                    request.block_ids = list(hit.blocks)
+            n = self._chunk_tokens(request, budget)
+            admitted = self._reserve_blocks(request, n)
+            if not admitted and hit is not None:
+                # The hit's own blocks can be what is in the way (its partial block is
+                # copied into one more): without it, evicting its checkpoint may fit.
+                self.prefix_cache.unhold(hit)
+                request.num_computed_tokens = request.num_settled_tokens = 0
+                request.block_ids = []
+                hit = None
+                n = self._chunk_tokens(request, budget)
+                admitted = self._reserve_blocks(request, n)
+            if not admitted:
                 break  # never preempt a running request to admit a waiting one
             self.waiting.popleft()
             if self.state_pool is not None:
                 request.state_slot = self.state_pool.allocate()
+            if self.prefix_cache is not None and request.use_prefix_cache:
+                self._resume(request, hit, plan)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chunks[request.request_id] = self._plan_chunk(request, n, plan)
             budget -= n
+        if self.prefix_cache is not None and plan.chunks:
+            self.prefix_cache.plan_step(plan)
         return plan
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
@@ -147,11 +192,18 @@ class Scheduler:
         preempted request recomputes and samples again). Returns the requests that got a
         new token (finished ones included).
         """
+        if self.prefix_cache is not None:
+            self.prefix_cache.step_done(plan)
         advanced = []
         for chunk in plan.chunks:
-            if not chunk.samples or not chunk.is_current:
+            if not chunk.is_current:
                 continue
             request = chunk.request
+            request.num_settled_tokens = chunk.end
+            if self.prefix_cache is not None:
+                self.prefix_cache.chunk_done(chunk)
+            if not chunk.samples:
+                continue
             token = sampled[request.request_id]
             request.append_output_token(token)
             advanced.append(request)
@@ -159,6 +211,23 @@ class Scheduler:
             if status is not None:
                 self.finish_request(request, status, reason)
         return advanced
+
+    def before_launch(self, plan: StepPlan) -> None:
+        """Just before a planned step runs (its chunks still current): the state saves
+        queued since it was planned go first in its cache copies, while the slots still
+        hold those states."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.take_queued_saves(plan)
+
+    def discard(self, plan: StepPlan, dropped: list[ScheduledChunk]) -> None:
+        """Chunks of `plan` that will not run (their request finished since it was
+        planned); with no chunk left, the plan itself, whose holds are released."""
+        if self.prefix_cache is None:
+            return
+        for chunk in dropped:
+            self.prefix_cache.discard_snapshots(chunk, plan)
+        if not [c for c in plan.chunks if c not in dropped]:
+            self.prefix_cache.step_done(plan)
 
     # -- internals ---------------------------------------------------------------
 
@@ -193,6 +262,48 @@ class Scheduler:
             or request.num_tokens >= self.max_tokens_per_request
         )
 
+    def _chunk_tokens(self, request: Request, budget: int) -> int:
+        """Tokens of `request` to compute now. With prefix caching on a model with SSM
+        state, a prompt's prefill stops one token short of the end, so the state after
+        all but the last token (what a repeat of the prompt resumes from) is in the slot
+        after a step; the last token is computed in the next step."""
+        computed, last = request.num_computed_tokens, request.num_tokens - 1
+        n = min(request.num_tokens - computed, budget)
+        if self.prefix_cache is not None and self.prefix_cache.has_state and computed < last:
+            n = min(n, last - computed)
+        return n
+
+    def _should_wait(self, request: Request, hit: PrefixHit | None) -> bool:
+        """True when a running request is still prefilling tokens this one shares, and
+        will leave a deeper checkpoint than it could resume from now (samples of one
+        prompt, many requests on one system prompt): admitting it later computes the
+        shared tokens once."""
+        if not self.prefix_cache.can_hit:
+            return False
+        current = hit.position if hit is not None else 0
+        for other in self.running:
+            end = other.num_tokens - 1
+            if other.num_settled_tokens >= end:
+                continue
+            reach = self.prefix_cache.potential_hit(request.all_token_ids, other.all_token_ids, end)
+            if reach - current >= MIN_WAIT_GAIN and other.num_settled_tokens < reach:
+                return True
+        return False
+
+    def _resume(self, request: Request, hit: PrefixHit | None, plan: StepPlan) -> None:
+        """Put an admitted request's hit (if any) into the plan; count the lookup."""
+        cached = hit.position if hit is not None else 0
+        if hit is not None:
+            self.prefix_cache.use(hit, request.block_ids, request.state_slot, plan)
+        self.prefix_cache.count_query(request.num_tokens, cached)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = cached
+
+    def _allocate_blocks(self, n: int) -> list[int] | None:
+        if self.prefix_cache is not None:
+            return self.prefix_cache.allocate_blocks(n)
+        return self.block_pool.allocate(n)
+
     def _reserve_blocks(self, request: Request, num_new_tokens: int) -> bool:
         if self.block_pool is None:
             return True
@@ -200,7 +311,7 @@ class Scheduler:
         missing = needed - len(request.block_ids)
         if missing <= 0:
             return True
-        block_ids = self.block_pool.allocate(missing)
+        block_ids = self._allocate_blocks(missing)
         if block_ids is None:
             return False
         request.block_ids.extend(block_ids)
@@ -211,7 +322,7 @@ class Scheduler:
         self.running.remove(request)
         self._release(request)
         request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_settled_tokens = 0
         request.num_pending_tokens = 0  # an in-flight token is dropped, then recomputed
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -222,6 +333,7 @@ class Scheduler:
         if self.block_pool is not None and request.block_ids:
             self.block_pool.free(request.block_ids)
         request.block_ids = []
+        request.num_committed_blocks = 0
         if self.state_pool is not None and request.state_slot is not None:
             self.state_pool.free(request.state_slot)
         request.state_slot = None

@@ -111,3 +111,35 @@ def test_longer_than_reference_block():
     )
     assert_close(y, y_s)
     assert_close(inp["ssm_state"][0], state_s)
+
+
+def test_snapshots_are_the_states_after_their_prefixes():
+    """Prefix caching: snapshot rows hold the state after the first k tokens of their
+    sequence; outputs do not change."""
+    lengths, slots, init = [11, 300, 1], [3, 1, 0], [True, False, False]
+    snaps = [(0, 4), (0, 11), (1, 1), (1, 256), (1, 257), (1, 299), (2, 1)]
+    inp = make_inputs(lengths, num_slots=5 + len(snaps))
+    before = inp["ssm_state"].clone()
+    y_plain = run({**inp, "ssm_state": before.clone()}, lengths, slots, init)
+    seqs, lens = (torch.tensor(c) for c in zip(*snaps))
+    rows = torch.arange(5, 5 + len(snaps))
+    y = run(inp, lengths, slots, init, snapshot_seqs=seqs, snapshot_lens=lens,
+            snapshot_slots=rows)  # fmt: skip
+    assert_close(y, y_plain, msg="snapshots change no output")
+    cu = cu_seqlens_of(lengths).tolist()
+    for (s, k), row in zip(snaps, rows.tolist(), strict=True):
+        a = cu[s]
+        state0 = before[slots[s]] if init[s] else torch.zeros_like(before[0])
+        _, state = naive_selective_scan(
+            inp["u"][a : a + k],
+            inp["delta"][a : a + k],
+            inp["A"],
+            inp["B"][a : a + k],
+            inp["C"][a : a + k],
+            inp["D"],
+            inp["z"][a : a + k],
+            inp["delta_bias"],
+            True,
+            state0,
+        )
+        assert_close(inp["ssm_state"][row], state, msg=f"snapshot of sequence {s} after {k}")

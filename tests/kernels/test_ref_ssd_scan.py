@@ -148,3 +148,54 @@ def test_rejects_bad_shapes():
     inp["dt"] = inp["dt"][:, :5]
     with pytest.raises(ValueError, match="dt must have shape"):
         run(inp, [5], [0], [False])
+
+
+def test_snapshots_are_the_states_after_their_prefixes():
+    """Prefix caching: snapshot rows hold the state after the first k tokens of their
+    sequence (any k for the twin, resumed sequences included); nothing else changes."""
+    lengths, slots, init, positions = [13, 29, 1], [4, 1, 0], [True, False, True], [3, 0, 7]
+    snaps = [(0, 1, 2), (0, 13, 3), (1, 5, 5), (1, 16, 6), (1, 28, 7), (2, 1, 8)]
+    inp = make_inputs(lengths, num_slots=9, seed=4)
+    pool_before = inp["ssm_state"].clone()
+    kw = dict(chunk_size=8, start_positions=torch.tensor(positions))
+    y_plain = run({**inp, "ssm_state": pool_before.clone()}, lengths, slots, init, **kw)
+    seqs, lens, rows = (torch.tensor(c) for c in zip(*snaps))
+    y = run(inp, lengths, slots, init, snapshot_seqs=seqs, snapshot_lens=lens,
+            snapshot_slots=rows, **kw)  # fmt: skip
+    assert_close(y, y_plain, msg="snapshots change no output")
+    cu = cu_seqlens_of(lengths).tolist()
+    for s, k, row in snaps:
+        a = cu[s]
+        state0 = pool_before[slots[s]] if init[s] else torch.zeros_like(pool_before[0])
+        _, state = naive_ssd(
+            inp["x"][a : a + k],
+            inp["dt"][a : a + k],
+            inp["A"],
+            inp["B"][a : a + k],
+            inp["C"][a : a + k],
+            inp["D"],
+            inp["z"][a : a + k],
+            inp["dt_bias"],
+            True,
+            (0.0, math.inf),
+            state0,
+        )
+        assert_close(inp["ssm_state"][row], state, msg=f"snapshot of sequence {s} after {k}")
+
+
+@pytest.mark.parametrize(
+    "snaps, message",
+    [
+        ([(0, 6, 2)], "snapshot_lens must lie in"),
+        ([(2, 1, 2)], "snapshot_seqs must lie in"),
+        ([(0, 2, 1)], "no sequence of the call uses"),
+    ],
+)
+def test_rejects_bad_snapshots(snaps, message):
+    inp = make_inputs([5, 3])
+    seqs, lens, rows = (torch.tensor(c) for c in zip(*snaps))
+    with pytest.raises(ValueError, match=message):
+        run(inp, [5, 3], [0, 1], [False, False], snapshot_seqs=seqs, snapshot_lens=lens,
+            snapshot_slots=rows)  # fmt: skip
+    with pytest.raises(ValueError, match="go together"):
+        run(inp, [5, 3], [0, 1], [False, False], snapshot_seqs=seqs)

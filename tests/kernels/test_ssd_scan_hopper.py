@@ -170,3 +170,27 @@ def test_unsupported_calls_use_the_triton_language_kernel(launches, P, dtype):
     inp = make_inputs(lengths, 4, P, 1, 128, num_slots=1, dtype=dtype, seed=14)
     compare(inp, lengths, [0], [True])  # head dim 32 or fp16: not this kernel
     assert not launches
+
+
+def test_snapshots_at_chunk_boundaries(launches):
+    """Prefix caching: the kernel also stores chunk-end states into snapshot rows."""
+    lengths, slots, init, positions = [700, 300, 256], [0, 1, 2], [True, False, True], [100, 0, 0]
+    # Absolute ends 256, 512, 768 and the end of sequence 0; 256; 256 (the end).
+    snaps = [(0, 156), (0, 412), (0, 668), (0, 700), (1, 256), (2, 256)]
+    seqs, lens = (torch.tensor(c, device=DEVICE) for c in zip(*snaps))
+    rows = torch.arange(3, 3 + len(snaps), device=DEVICE)
+    kw = dict(
+        start_positions=torch.tensor(positions, device=DEVICE),
+        snapshot_seqs=seqs,
+        snapshot_lens=lens,
+        snapshot_slots=rows,
+    )
+    inp = make_inputs(lengths, 8, 64, 1, 128, num_slots=9, dtype=torch.bfloat16, seed=15)
+    ref = {k: (v.float() if k in ("x", "B", "C", "z") else v) for k, v in inp.items()}
+    ref["ssm_state"] = inp["ssm_state"].clone()
+    y_ref = run(ssd_scan_varlen_ref, ref, lengths, slots, init, **kw)
+    y = run(ssd_scan_varlen_hopper, inp, lengths, slots, init, **kw)
+    assert launches, "the Gluon kernel was not used"
+    assert_rel_close(y, y_ref, 5e-3, "y")
+    for row in rows.tolist():
+        assert_rel_close(inp["ssm_state"][row], ref["ssm_state"][row], 5e-3, f"row {row}")

@@ -84,7 +84,8 @@ def compare(inp, lengths, slots, init, config=None, **kw):
     assert y.dtype == inp["u"].dtype
     assert_close(y, y_ref, msg="y")
     assert_close(pool, state_ref, msg="state pool")
-    untouched = [i for i in range(pool.shape[0]) if i not in slots]
+    written = set(slots) | set(kw.get("snapshot_slots", torch.tensor([])).tolist())
+    untouched = [i for i in range(pool.shape[0]) if i not in written]
     assert torch.equal(pool[untouched], before[untouched]), "slots of no sequence changed"
     cu = cu_seqlens_of(lengths).tolist()
     cpu = {k: (v.cpu() if v is not None else None) for k, v in inp.items()}
@@ -178,3 +179,16 @@ def test_batch_equals_sequences_alone():
         y_s = run(selective_scan_varlen_triton, alone, [lengths[s]], [slot], [init[s]])
         assert_close(y_s, y[cu[s] : cu[s + 1]], msg=f"y of sequence {s}")
         assert_close(alone["ssm_state"][slot], inp["ssm_state"][slot], msg=f"state {s}")
+
+
+def test_snapshots_match_twin():
+    """Prefix caching: states after any number of tokens go to snapshot rows; several in
+    one token block, at a block's end, at a sequence's end (blocks of 8 tokens)."""
+    lengths, slots = VARLEN
+    # (sequence, tokens), sorted by sequence, then tokens.
+    snaps = [(0, 2), (0, 6), (2, 1), (3, 3), (3, 5), (3, 8), (3, 19), (4, 13)]
+    seqs, lens = (torch.tensor(c, device=DEVICE) for c in zip(*snaps))
+    rows = torch.arange(6, 6 + len(snaps), device=DEVICE)
+    inp = make_inputs(lengths, 7, 5, num_slots=6 + len(snaps), seed=3)
+    init = [True, False, False, True, True]
+    compare(inp, lengths, slots, init, snapshot_seqs=seqs, snapshot_lens=lens, snapshot_slots=rows)

@@ -81,7 +81,8 @@ def compare(inp, lengths, slots, init, scale=1.0, fn=ssd_scan_varlen_triton, con
     # decay weight is rounded to it), so the coarser of x's and the pool's dtype bounds it.
     coarser = max(inp["x"].dtype, pool.dtype, key=lambda d: TOLERANCES[d][0])
     assert_close(pool, state_ref, dtype=coarser, scale=scale, msg="state pool")
-    untouched = [i for i in range(pool.shape[0]) if i not in slots]
+    written = set(slots) | set(kw.get("snapshot_slots", torch.tensor([])).tolist())
+    untouched = [i for i in range(pool.shape[0]) if i not in written]
     assert torch.equal(pool[untouched], before[untouched]), "slots of no sequence changed"
 
 
@@ -200,3 +201,25 @@ def test_chunks_align_to_absolute_positions():
         assert sum(lens[i] for i in ids) == length
         assert all(starts[i] + lens[i] == starts[j] for i, j in zip(ids, ids[1:]))
     assert all(o == -1 for o in owners[first[-1] :]), "ids past the real chunks own nothing"
+
+
+def test_snapshots_at_chunk_boundaries_match_twin():
+    """Prefix caching: states at chunk boundaries (and a sequence's end) go to snapshot
+    rows, for sequences resumed mid-chunk and on a boundary."""
+    lengths, slots, positions = [40, 9, 37], [0, 2, 1], [5, 16, 0]
+    # (sequence, tokens): absolute ends 16, 32, 45 (its end); 25 (its end); 16, 32.
+    snaps = [(0, 11), (0, 27), (0, 40), (1, 9), (2, 16), (2, 32)]
+    seqs, lens = (torch.tensor(c, device=DEVICE) for c in zip(*snaps))
+    rows = torch.arange(3, 3 + len(snaps), device=DEVICE)
+    inp = make_inputs(lengths, 3, 5, 1, 6, num_slots=3 + len(snaps), seed=9)
+    compare(
+        inp,
+        lengths,
+        slots,
+        [True, True, False],
+        chunk_size=16,
+        start_positions=torch.tensor(positions, device=DEVICE),
+        snapshot_seqs=seqs,
+        snapshot_lens=lens,
+        snapshot_slots=rows,
+    )

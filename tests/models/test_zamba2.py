@@ -177,7 +177,9 @@ def test_each_use_of_a_shared_block_has_its_own_kv_cache(zamba2):
     with torch.no_grad():
         ref = hf_model(path)(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
 
-    llm = LLM(path, device="cpu", dtype="float32", block_size=4)
+    # Without prefix caching the whole prompt is one step (with it, the last token is
+    # one step of its own).
+    llm = LLM(path, device="cpu", dtype="float32", block_size=4, enable_prefix_caching=False)
     engine = llm.llm_engine
     engine.add_request("r", {"prompt_token_ids": ids}, SamplingParams(max_tokens=3))
     engine.step()  # the whole prompt
