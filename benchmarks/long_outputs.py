@@ -32,26 +32,54 @@ from typing import Any
 import torch
 
 from ssmserve.bench.common import device_name, fmt, markdown_table, run_metadata, write_json
-from ssmserve.bench.floors import device_peaks, engine_costs, floor_s
-from ssmserve.config import EngineConfig, add_engine_args
+from ssmserve.bench.floors import device_peaks, engine_costs, floor_s, meta_model, model_costs
+from ssmserve.config import EngineConfig, ModelConfig, add_engine_args
 from ssmserve.engine.engine import LLMEngine
 from ssmserve.sampling_params import RequestOutputKind, SamplingParams
 
 
-def largest_batch(engine: LLMEngine, input_len: int, output_len: int) -> int:
-    """Requests of input_len + output_len tokens whose state slots and KV blocks fit the
-    cache budget `engine` planned (all of it: slots, checkpoints and blocks)."""
-    costs = engine_costs(engine)
-    plan, block = engine.cache_plan, engine.config.block_size
-    per_block = costs.kv_bytes_per_token * block
-    budget = (
-        plan.num_kv_blocks * per_block
-        + (plan.num_state_slots + plan.num_state_checkpoints) * costs.state_bytes_per_seq
+def cache_budget(args: argparse.Namespace, model: str) -> tuple[int, torch.dtype]:
+    """Bytes the engine gives its caches on this device for `model` (what the weights and
+    the activation peak leave: the same whatever the state dtype), and the weights' dtype."""
+    probe = LLMEngine(
+        EngineConfig.from_args(args, **_engine_args(args, model, 1), enforce_eager=True)
     )
-    per_request = (
-        costs.state_bytes_per_seq + math.ceil((input_len + output_len) / block) * per_block
+    budget = probe.cache_budget_bytes
+    dtype = probe.dtype
+    probe.shutdown()
+    del probe
+    _free_memory()
+    return int(budget), dtype
+
+
+def largest_batch(
+    model: str, dtype: torch.dtype, state_dtype: str, budget: int, args: argparse.Namespace
+) -> int:
+    """Requests of input_len + output_len tokens whose state slots and KV blocks fit."""
+    model_config = ModelConfig.from_hf(model)
+    states = dtype if state_dtype == "auto" else getattr(torch, state_dtype)
+    block = args.block_size
+    costs = model_costs(
+        meta_model(model_config, dtype), model_config.hf_config, dtype, states, block
     )
-    return max(int(budget // per_request), 1)
+    blocks = math.ceil((args.input_len + args.output_len) / block)
+    per_request = costs.state_bytes_per_seq + blocks * costs.kv_bytes_per_token * block
+    return max(budget // per_request, 1)
+
+
+def _engine_args(args: argparse.Namespace, model: str, max_num_seqs: int) -> dict[str, Any]:
+    return dict(
+        model=model,
+        max_model_len=args.input_len + args.output_len,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=False,
+    )
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _sync(engine: LLMEngine) -> None:
@@ -60,12 +88,13 @@ def _sync(engine: LLMEngine) -> None:
 
 
 def steady_decode(
-    engine: LLMEngine, batch: int, context: int, window: int, rng: random.Random
+    engine: LLMEngine, batch: int, context: int, window: int, max_tokens: int, rng: random.Random
 ) -> dict[str, Any]:
-    """Prefill `batch` prompts of `context` tokens, then time `window` decode steps."""
+    """Prefill `batch` prompts of `context` tokens, then time `window` decode steps (the
+    requests allowed `max_tokens` each: none ends before the last one is prefilled)."""
     vocab = engine.model_config.hf_config.vocab_size
     params = SamplingParams(
-        max_tokens=window + 16,
+        max_tokens=max_tokens,
         temperature=1.0,
         ignore_eos=True,
         output_kind=RequestOutputKind.FINAL_ONLY,
@@ -96,22 +125,21 @@ def steady_decode(
     return {"running": running, "prefill_s": prefill_s, "step_s": step_s}
 
 
-def measure(args: argparse.Namespace, model: str, state_dtype: str) -> dict[str, Any]:
-    common = dict(
-        model=model,
-        max_model_len=args.input_len + args.output_len,
-        mamba_ssm_cache_dtype=state_dtype,
-        enable_prefix_caching=False,
+def measure(
+    args: argparse.Namespace, model: str, state_dtype: str, budget: int, dtype: torch.dtype
+) -> dict[str, Any]:
+    batch = min(largest_batch(model, dtype, state_dtype, budget, args), args.max_batch)
+    engine = LLMEngine(
+        EngineConfig.from_args(
+            args,
+            **_engine_args(args, model, batch),
+            mamba_ssm_cache_dtype=state_dtype,
+            cache_memory=budget,
+        )
     )
-    probe = LLMEngine(EngineConfig.from_args(args, max_num_seqs=1, enforce_eager=True, **common))
-    batch = min(largest_batch(probe, args.input_len, args.output_len), args.max_batch)
-    del probe
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    engine = LLMEngine(EngineConfig.from_args(args, max_num_seqs=batch, **common))
     batch = min(batch, engine.scheduler.max_num_seqs)
-    result = steady_decode(engine, batch, args.context, args.window, random.Random(0))
+    remaining = args.input_len + args.output_len - args.context
+    result = steady_decode(engine, batch, args.context, args.window, remaining, random.Random(0))
     costs = engine_costs(engine)
     peaks = device_peaks(device_name(engine.device))
     floor = floor_s(
@@ -121,9 +149,7 @@ def measure(args: argparse.Namespace, model: str, state_dtype: str) -> dict[str,
     )
     engine.shutdown()
     del engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _free_memory()
     step = result["step_s"]
     return {
         "model": os.path.basename(model.rstrip("/")),
@@ -131,6 +157,7 @@ def measure(args: argparse.Namespace, model: str, state_dtype: str) -> dict[str,
         "batch": batch,
         "running": result["running"],
         "context": args.context,
+        "cache_budget_gib": budget / 2**30,
         "step_ms": step * 1e3,
         "floor_step_ms": floor * 1e3 if floor is not None else None,
         "over_floor": step / floor if floor else None,
@@ -174,16 +201,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-batch", type=int, default=1024, help="cap on the batch (1024)")
     parser.add_argument("--json", default=None, help="write the report here")
     add_engine_args(parser)  # --max-num-seqs and --max-model-len are set per model
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not args.input_len <= args.context <= args.input_len + args.output_len - args.window - 8:
+        parser.error(
+            "--context must lie between --input-len and --input-len + --output-len minus "
+            "the window (and a few steps to fill the pipeline)"
+        )
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     rows = []
     for model in args.models:
-        has_state = has_ssm_layers(model)
-        for state_dtype in args.state_dtypes if has_state else ["auto"]:
-            rows.append(measure(args, model, state_dtype))
+        budget, dtype = cache_budget(args, model)
+        for state_dtype in args.state_dtypes if has_ssm_layers(model) else ["auto"]:
+            rows.append(measure(args, model, state_dtype, budget, dtype))
             print(table(rows[-1:]), flush=True)
     report: dict[str, Any] = {
         "meta": run_metadata(
@@ -209,9 +242,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def has_ssm_layers(model: str) -> bool:
     """Whether the model has SSM layers (from its config alone)."""
-    from ssmserve.bench.floors import meta_model
-    from ssmserve.config import ModelConfig
-
     model = meta_model(ModelConfig.from_hf(model), torch.bfloat16)
     return any(spec.state is not None for spec in model.cache_specs())
 

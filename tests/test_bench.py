@@ -341,3 +341,44 @@ def test_dtype_of_the_costs_follows_the_engine(checkpoint):
     conv = (d_inner + 2 * mixer.n_groups * mixer.state_size) * (mixer.conv_kernel - 1)
     ssm = d_inner * mixer.state_size
     assert costs.state_bytes_per_seq == mixer.num_hidden_layers * (conv + ssm) * 2
+
+
+def test_long_outputs_runs_the_largest_batch_the_cache_holds(checkpoint, tmp_path):
+    """benchmarks/long_outputs.py: the batch is the most full-length requests whose KV
+    blocks and state slots the engine's cache budget holds (the planner, asked for one
+    more, gives fewer blocks than they need), every request runs in the timed window, and
+    the report compares the first model with the last."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "long_outputs", ROOT / "benchmarks/long_outputs.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    budget, shape = 24 * 2**20, ["--input-len", "16", "--output-len", "112", "--context", "40"]
+    report = bench.main(
+        ["--models", checkpoint("bamba"), checkpoint("llama"), "--window", "3", *shape]
+        + ["--device", "cpu", "--dtype", "float32", "--cache-memory", str(budget)]
+        + ["--json", str(tmp_path / "long.json")]
+    )
+    rows = report["rows"]
+    assert [r["model"] for r in rows] == [Path(checkpoint(m)).name for m in ("bamba", "llama")]
+    for model, row in zip(("bamba", "llama"), rows, strict=True):
+        assert row["running"] == row["batch"] > 1
+        more = LLMEngine(
+            EngineConfig(
+                model=checkpoint(model),
+                max_model_len=128,
+                max_num_seqs=row["batch"] + 1,
+                cache_memory=budget,
+                enable_prefix_caching=False,
+                **CPU,
+            )
+        )
+        blocks_each = -(-128 // more.config.block_size)
+        fits = min(more.scheduler.max_num_seqs, more.cache_plan.num_kv_blocks // blocks_each)
+        assert fits == row["batch"], (model, fits, row["batch"])
+    ratio = rows[0]["output_tok_s"] / rows[1]["output_tok_s"]
+    key = f"{rows[0]['model']}_over_{rows[1]['model']}_output_tok_s_float32"
+    assert report[key] == pytest.approx(ratio)
+    assert json.loads((tmp_path / "long.json").read_text())["rows"] == rows

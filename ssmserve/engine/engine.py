@@ -154,6 +154,7 @@ class LLMEngine:
                     "no GPU memory left for the caches after the weights and activations; "
                     "raise --gpu-memory-utilization or lower --max-num-batched-tokens"
                 )
+        self.cache_budget_bytes = min(budgets)  # per rank
         # Every rank holds the same block ids and slots for its own layers: plan each
         # pipeline stage (its ranks' largest cache, smallest budget), then take the
         # plan every stage can hold.
