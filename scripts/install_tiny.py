@@ -12,7 +12,7 @@ the size budget), copies the four files into ``ssmserve/model_data/ssmserve-bamb
 transformers and with ssmserve (``eval_tiny.py``: both held-out sets, the chat
 stop rate), serves it with ``ssmserve serve`` and sends chat requests without
 ``max_tokens``, records real samples (``ssmserve generate "def is_prime(n):"``
-and an ``LLM.chat`` reply), writes ``benchmarks/results/eval_tiny_<date>.json``
+and ``LLM.chat`` replies), writes ``benchmarks/results/eval_tiny_<date>_retrained.json``
 and rewrites the generated blocks (``<!-- NAME:begin -->`` ... ``<!-- NAME:end -->``)
 of README.md, ssmserve/model_data/README.md and docs/bundled_model.md.
 
@@ -98,12 +98,16 @@ def free_port() -> int:
 
 
 def serve_check(model: Path, prompts: list[list[dict]]) -> list[dict]:
-    """Chat requests without max_tokens against `ssmserve serve`: how each one ended."""
+    """Chat requests without max_tokens against `ssmserve serve`: how each one ended.
+
+    The server's context is 512 tokens, so that a reply that never stopped would end
+    (with finish reason "length") within a minute or two on a CPU.
+    """
     import httpx
 
     port = free_port()
     command = [sys.executable, "-m", "ssmserve.cli", "serve", str(model), "--port", str(port)]
-    command += ["--device", "cpu", "--uvicorn-log-level", "warning"]
+    command += ["--device", "cpu", "--max-model-len", "512", "--uvicorn-log-level", "warning"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import textwrap
 from pathlib import Path
 
 # The previous ssmserve-bamba-tiny (6.31 M parameters, stdlib only, no chat data),
@@ -30,6 +31,11 @@ SET_TITLES = {
     "heldout": "21 held-out stdlib modules",
     "heldout_third_party": "held-out packages anyio, click, httpx",
 }
+
+
+def para(text: str) -> str:
+    """A prose paragraph, wrapped as the docs are."""
+    return textwrap.fill(text, width=88, break_on_hyphens=False)
 
 
 def replace_block(path: Path, name: str, content: str) -> None:
@@ -108,18 +114,21 @@ def readme_block(results: dict, meta: dict) -> str:
     chat = evaluation["chat"]
     generate = evaluation["samples"]["generate"].rstrip()
     reply = evaluation["samples"]["chat"][0]
-    config_note = f"{training['parameters'] / 1e6:.1f} M-parameter Bamba"
     worst = max(entry["rel_loss_difference"] for entry in evaluation["sets"].values())
     lines = [
-        f"`ssmserve-bamba-tiny`, the default model, ships inside the package: a {config_note} "
-        f"(Mamba2 layers with attention at layers 2, 5 and 8) trained from scratch for "
-        f"{training['train_seconds'] / 60:.1f} minutes on one H200 "
-        f"({training['tokens_seen'] / 1e6:.0f} M tokens) on Python source: the CPython "
-        f"{meta['python'].rsplit('.', 1)[0]} standard library and "
-        f"{len(meta['train_packages'])} permissively licensed packages, with 21 stdlib "
-        "modules and 3 packages held out, plus chat conversations synthesized from documented "
-        "functions whose assistant turns end with EOS, so chat replies stop by themselves. "
-        "It has its own 4096-token byte-level BPE tokenizer and a chat template.",
+        para(
+            f"`ssmserve-bamba-tiny`, the default model, ships inside the package: a "
+            f"{training['parameters'] / 1e6:.1f} M-parameter Bamba (Mamba2 layers with "
+            f"attention at layers 2, 5 and 8) trained from scratch for "
+            f"{training['train_seconds'] / 60:.1f} minutes on one {training['device']} "
+            f"({training['tokens_seen'] / 1e6:.0f} M tokens) on Python source: the CPython "
+            f"{meta['python'].rsplit('.', 1)[0]} standard library and "
+            f"{len(meta['train_packages'])} permissively licensed packages, with 21 stdlib "
+            "modules and 3 packages held out, plus chat conversations synthesized from "
+            "documented functions, whose assistant turns end with EOS (that is how a reply "
+            "learns to stop). It has its own 4096-token byte-level BPE tokenizer and a chat "
+            "template."
+        ),
         "",
         "| held out (never trained on) | this model | previous model (stdlib only) |",
         "| --- | --- | --- |",
@@ -134,20 +143,30 @@ def readme_block(results: dict, meta: dict) -> str:
         f"{chat['max_tokens']} tokens | {chat['stop_fraction']:.0%} | "
         f"{_previous(PREVIOUS['chat_stop_fraction'], '.0%')} |",
         "",
-        f"transformers and ssmserve compute the same figures (to {worst:.0e} relative). What "
-        "it writes, greedy:",
+        para(
+            f"transformers and ssmserve compute the same figures (to {worst:.0e} relative). "
+            "What it writes, greedy:"
+        ),
         "",
         "```text",
         '$ ssmserve generate "def is_prime(n):"',
         generate,
         "```",
         "",
+        "```python",
+        "from ssmserve import LLM, SamplingParams",
+        "",
+        "llm = LLM()",
+        f'messages = [{{"role": "user", "content": {json.dumps(reply["prompt"])}}}]',
+        "reply = llm.chat(messages, SamplingParams(temperature=0, max_tokens=256))",
+        "print(reply[0].outputs[0].text)",
+        "```",
+        "",
         "````text",
-        f">>> llm.chat([{{'role': 'user', 'content': {reply['prompt']!r}}}])",
         reply["reply"].rstrip(),
         "````",
         "",
-        f"(finish reason `{reply['finish_reason']}` after {reply['tokens']} tokens.)",
+        f"(finish reason `{reply['finish_reason']}`, after {reply['tokens']} tokens.)",
     ]
     return "\n".join(lines)
 
@@ -156,13 +175,15 @@ def card_block(results: dict) -> str:
     training = results["training"]
     evaluation = results["evaluation"]
     lines = [
-        f"Trained on one {training['device']} (torch {training['torch']}, bf16 autocast, "
-        f"{training['batch_size']} × {training['seq_len']} tokens a step), "
-        f"{results['date']}: {training['steps']} steps, "
-        f"{training['tokens_seen'] / 1e6:.1f} M tokens in {training['train_seconds']:.0f} s "
-        f"(peak LR {training['peak_lr']}, cosine over the time budget); "
-        f"last train loss {training['final_train_loss']:.3f}. Progress, with the loss on 32 "
-        "windows of each held-out set:",
+        para(
+            f"Trained on one {training['device']} (torch {training['torch']}, bf16 autocast, "
+            f"{training['batch_size']} × {training['seq_len']} tokens a step), "
+            f"{results['date']}: {training['steps']} steps, "
+            f"{training['tokens_seen'] / 1e6:.1f} M tokens in {training['train_seconds']:.0f} s "
+            f"(peak LR {training['peak_lr']}, cosine over the time budget); last train loss "
+            f"{training['final_train_loss']:.3f}. Progress, with the loss on 32 windows of "
+            "each held-out set:"
+        ),
         "",
         "| step | seconds | train loss | stdlib held-out loss | third-party held-out loss |",
         "| --- | --- | --- | --- | --- |",
@@ -175,8 +196,10 @@ def card_block(results: dict) -> str:
             )
     lines += [
         "",
-        "Validation (`scripts/eval_tiny.py`, CPU, float32, window 1024; every held-out token "
-        "scored once, by transformers and by ssmserve's `prompt_logprobs`):",
+        para(
+            "Validation (`scripts/eval_tiny.py`, CPU, float32, window 1024; every held-out "
+            "token scored once, by transformers and by ssmserve's `prompt_logprobs`):"
+        ),
         "",
         "| held-out set | scorer | tokens | bytes | loss (nats/token) | perplexity | bits/byte |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -192,11 +215,14 @@ def card_block(results: dict) -> str:
     chat = evaluation["chat"]
     lines += [
         "",
-        f"Chat: of {chat['num_prompts']} held-out write requests (`chat_heldout.json`, "
-        f"functions of the held-out modules and packages), {chat['stop_fraction']:.0%} get a "
-        f"greedy `LLM.chat` reply that ends with EOS within {chat['max_tokens']} tokens "
-        f"(mean reply {chat['mean_reply_tokens']:.0f} tokens). `ssmserve serve`, chat "
-        "requests without `max_tokens` (the four prompts of the tests):",
+        para(
+            f"Chat: of {chat['num_prompts']} held-out write requests (`chat_heldout.json`, "
+            f"functions of the held-out modules and packages), {chat['stop_fraction']:.0%} get "
+            f"a greedy `LLM.chat` reply that ends with EOS within {chat['max_tokens']} tokens "
+            f"(mean reply {chat['mean_reply_tokens']:.0f} tokens). `ssmserve serve "
+            "--max-model-len 512`, chat requests without `max_tokens` (the four prompts of "
+            "the tests):"
+        ),
         "",
         "| prompt | finish reason | completion tokens |",
         "| --- | --- | --- |",
@@ -219,8 +245,10 @@ def card_block(results: dict) -> str:
 def corpus_block(meta: dict) -> str:
     sources = meta["sources"]
     lines = [
-        f"Built by `train_tiny.py prepare` on CPython {meta['python']} "
-        f"(`{meta['stdlib']}`, `{meta['site_packages']}`), seed {meta['seed']}:",
+        para(
+            f"Built by `train_tiny.py prepare` on CPython {meta['python']} "
+            f"(`{meta['stdlib']}`, `{meta['site_packages']}`), seed {meta['seed']}:"
+        ),
         "",
         "| part | files / conversations | bytes | tokens |",
         "| --- | --- | --- | --- |",
@@ -233,10 +261,12 @@ def corpus_block(meta: dict) -> str:
         f"| **stream** | | | **{meta['num_train_tokens']:,}** "
         f"({meta['train_tokens_file_bytes'] / 1e6:.1f} MB as `train_tokens.u16.xz`) |",
         "",
-        f"Held out: {len(meta['heldout_files'])} stdlib files ({meta['heldout_bytes']:,} bytes) "
-        "and these packages, whole "
-        f"({meta['heldout_third_party_bytes']:,} bytes); "
-        f"{meta['heldout_chat_prompts']} chat prompts come from their documented functions:",
+        para(
+            f"Held out: {len(meta['heldout_files'])} stdlib files "
+            f"({meta['heldout_bytes']:,} bytes) and these packages, whole "
+            f"({meta['heldout_third_party_bytes']:,} bytes); "
+            f"{meta['heldout_chat_prompts']} chat prompts come from their documented functions:"
+        ),
         "",
         "| package | distribution | licence | files | bytes |",
         "| --- | --- | --- | --- | --- |",
@@ -261,9 +291,10 @@ def corpus_block(meta: dict) -> str:
     leaked = meta["left_out_for_leakage"]
     lines += [
         "",
-        f"Left out because they share runs of lines with held-out code ({len(leaked)} files): "
-        + ", ".join(f"`{path}`" for path in leaked)
-        + ".",
+        para(
+            f"Left out because they share runs of lines with held-out code ({len(leaked)} "
+            "files): " + ", ".join(f"`{path}`" for path in leaked) + "."
+        ),
     ]
     return "\n".join(lines)
 
