@@ -24,8 +24,8 @@ from pathlib import Path
 PREVIOUS = {
     "parameters": 6_308_256,
     "heldout": 1.3306,
-    "heldout_third_party": None,
-    "chat_stop_fraction": None,
+    "heldout_third_party": 1.1598,
+    "chat_stop_fraction": 0.0,
 }
 SET_TITLES = {
     "heldout": "21 held-out stdlib modules",
@@ -104,10 +104,6 @@ def _bpb(result: dict, name: str) -> float:
     return result["sets"][name]["transformers"]["bits_per_byte"]
 
 
-def _previous(value: float | None, fmt: str) -> str:
-    return "–" if value is None else format(value, fmt)
-
-
 def readme_block(results: dict, meta: dict) -> str:
     training = results["training"]
     evaluation = results["evaluation"]
@@ -135,13 +131,12 @@ def readme_block(results: dict, meta: dict) -> str:
     ]
     for name, title in SET_TITLES.items():
         lines.append(
-            f"| {title}: bits per byte | {_bpb(evaluation, name):.3f} | "
-            f"{_previous(PREVIOUS[name], '.3f')} |"
+            f"| {title}: bits per byte | {_bpb(evaluation, name):.3f} | {PREVIOUS[name]:.3f} |"
         )
     lines += [
         f"| {chat['num_prompts']} chat prompts: greedy reply ends with EOS within "
         f"{chat['max_tokens']} tokens | {chat['stop_fraction']:.0%} | "
-        f"{_previous(PREVIOUS['chat_stop_fraction'], '.0%')} |",
+        f"{PREVIOUS['chat_stop_fraction']:.0%} |",
         "",
         para(
             f"transformers and ssmserve compute the same figures (to {worst:.0e} relative). "
