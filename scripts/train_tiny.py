@@ -1,44 +1,42 @@
-"""Train the tiny models bundled with ssmserve on the Python standard library.
+"""Build the data for, and train, the tiny models bundled with ssmserve.
 
-Two stages, so that the data is built once, on the interpreter whose stdlib is
-the corpus, and training can run on another machine:
+Two stages, so that the data is built once, on the interpreter whose library is
+the corpus, and training can run on another machine (with no network):
 
-1. ``prepare``: walk this interpreter's stdlib (see scripts/tiny_corpus.py for
-   what is kept and the fixed held-out module list), train a byte-level BPE
-   tokenizer (``tokenizers``; 4096 tokens; ``<|endoftext|>`` is BOS/EOS/PAD,
-   plus ``<|system|>``, ``<|user|>``, ``<|assistant|>`` and a chat template),
-   tokenize the training documents joined by ``<|endoftext|>`` into a uint16
-   array, and write the held-out documents as JSON::
+1. ``prepare``: collect this interpreter's stdlib and the permissively licensed
+   site-packages listed in scripts/tiny_corpus.py, hold out the validation
+   modules and packages (and drop training files that copy them), synthesize
+   chat conversations from the training files' documented functions
+   (scripts/tiny_chat.py), tokenize everything with the bundled tokenizer, and
+   write one data folder::
 
-       python scripts/train_tiny.py prepare --data-dir .train_data
+       python scripts/train_tiny.py prepare --data-dir .data/tiny
 
-2. ``train``: train Bamba (Mamba2 + 2 attention layers), Mamba2 and Mamba with
-   transformers' own classes, evaluate each on the held-out modules and save
-   each as a complete Hugging Face folder (weights in bfloat16)::
+   It holds ``train_tokens.u16.xz`` (the shuffled training stream, documents
+   and conversations each preceded by ``<|endoftext|>``), ``heldout.json``
+   (stdlib validation set), ``heldout_third_party.json``, ``chat_heldout.json``
+   (held-out chat prompts), ``tokenizer/`` and ``meta.json`` (what went in,
+   licences, counts).
 
-       python scripts/train_tiny.py train --data-dir .train_data --out-dir runs/tiny \\
-           --models bamba,mamba2,mamba --parallel --time-budget 300
+2. ``train``: train one or more families with transformers' own classes for a
+   wall-clock budget, saving a bf16 checkpoint every minute, then evaluate the
+   saved weights (scripts/tiny_trainer.py)::
 
-   With ``--parallel`` each model trains in its own process on the same device.
-   The learning-rate schedule is fixed by the step count: ``--max-steps`` gives it
-   exactly; without it, the step count is estimated from ``--time-budget`` after
-   warm-up and logged, so a run can be repeated with ``--max-steps``.
+       python scripts/train_tiny.py train --data-dir .data/tiny --out-dir runs/tiny \\
+           --models bamba --minutes 4
 
-Seeds are fixed (``--seed``); on CUDA, kernels' nondeterminism aside, a run is
-repeatable.
+``snippets`` writes the prompts the tests use (ssmserve/model_data/heldout_prompts.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
-import math
 import os
-import shutil
-import subprocess
+import random
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -46,11 +44,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import eval_tiny  # noqa: E402
-import fast_ssd  # noqa: E402
+import tiny_chat  # noqa: E402
 import tiny_corpus  # noqa: E402
+import tiny_trainer  # noqa: E402
 
 logger = logging.getLogger("train_tiny")
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUNDLED_TOKENIZER = REPO_ROOT / "ssmserve" / "model_data" / "ssmserve-bamba-tiny"
 VOCAB_SIZE = 4096
 EOS_TOKEN = "<|endoftext|>"
 CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -61,25 +62,20 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|assistant|>\n' }}{%- endif -%}"
 )
-
-MODEL_NAMES = {
-    "bamba": "ssmserve-bamba-tiny",
-    "mamba2": "ssmserve-mamba2-tiny",
-    "mamba": "ssmserve-mamba-tiny",
-}
-# Per-family peak learning rate: the hybrid's attention layers want a lower one.
-PEAK_LR = {"bamba": 2e-3, "mamba2": 3e-3, "mamba": 3e-3}
-# Per-family (sequence length, batch size), 64K tokens a step each. transformers'
-# Mamba1 path without mamba_ssm scans token by token, so its step time grows with
-# the sequence length and hardly with the batch: it trains on shorter sequences.
-BATCH_SHAPE = {"bamba": (1024, 64), "mamba2": (1024, 64), "mamba": (512, 128)}
+# Held-out chat prompts whose reference answer fits well inside the 256 tokens
+# the stop-rate evaluation allows.
+MAX_HELDOUT_REPLY_TOKENS = 200
 
 
 # --------------------------------------------------------------------- prepare
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
-    """A byte-level BPE tokenizer, wrapped as a transformers PreTrainedTokenizerFast."""
+    """A byte-level BPE tokenizer, wrapped as a transformers PreTrainedTokenizerFast.
+
+    This is how the bundled tokenizer was made (on the stdlib training files);
+    ``prepare --new-tokenizer`` makes another one.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -107,60 +103,189 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return fast
 
 
-def prepare(data_dir: Path, vocab_size: int, max_train_files: int | None) -> None:
-    data_dir.mkdir(parents=True, exist_ok=True)
-    root = tiny_corpus.stdlib_dir()
-    train_files, heldout_files = tiny_corpus.list_source_files(root)
+def num_bytes(documents: dict[str, str]) -> int:
+    return sum(len(t.encode("utf-8")) for t in documents.values())
+
+
+def collect_corpus(max_train_files: int | None) -> dict:
+    """Training and held-out documents of this interpreter, and where they came from."""
+    stdlib_train_files, stdlib_heldout_files = tiny_corpus.list_source_files()
     if max_train_files is not None:
-        train_files = train_files[:max_train_files]
-    train_docs = tiny_corpus.read_documents(train_files, root)
-    heldout_docs = tiny_corpus.read_documents(heldout_files, root)
-    logger.info("stdlib %s (Python %s)", root, sys.version.split()[0])
+        stdlib_train_files = stdlib_train_files[:max_train_files]
+    stdlib_train = tiny_corpus.read_documents(stdlib_train_files)
+    heldout = tiny_corpus.read_documents(stdlib_heldout_files)
+
+    packages, third_party, heldout_third_party = [], {}, {}
+    train_packages = tiny_corpus.TRAIN_PACKAGES
+    if max_train_files is not None:
+        train_packages = dict(list(train_packages.items())[:2])
+    for name, cap in train_packages.items():
+        info = tiny_corpus.check_licence(name)
+        docs = tiny_corpus.package_documents(name, cap)
+        packages.append(vars(info) | {"files": len(docs), "bytes": num_bytes(docs)})
+        third_party.update(docs)
+    heldout_packages = []
+    for name in tiny_corpus.HELDOUT_PACKAGES:
+        info = tiny_corpus.check_licence(name)
+        docs = tiny_corpus.package_documents(name, None)
+        heldout_packages.append(vars(info) | {"files": len(docs), "bytes": num_bytes(docs)})
+        heldout_third_party.update(docs)
+
+    train, dropped = tiny_corpus.leakage_filter(
+        {**stdlib_train, **third_party}, [*heldout.values(), *heldout_third_party.values()]
+    )
+    for path, shared in sorted(dropped.items()):
+        why = "duplicate" if shared < 0 else f"{shared} line runs shared with held-out code"
+        logger.info("left out %s: %s", path, why)
+    return {
+        "train": train,
+        "heldout": heldout,
+        "heldout_third_party": heldout_third_party,
+        "packages": packages,
+        "heldout_packages": heldout_packages,
+        "dropped": dropped,
+    }
+
+
+def encode_conversations(tokenizer, conversations: list[list[dict]]) -> list[list[int]]:
+    """Token ids of each conversation as the chat template renders it, final EOS dropped.
+
+    The stream puts EOS before every document, so it still follows the last
+    assistant turn. Checks that the prompt a client would send (all but the last
+    turn, with the generation prompt) tokenizes as a prefix of the conversation,
+    so training sees exactly what inference feeds the model.
+    """
+    eos = tokenizer.eos_token_id
+    texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
+    prompts = [
+        tokenizer.apply_chat_template(c[:-1], tokenize=False, add_generation_prompt=True)
+        for c in conversations
+    ]
+    full = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    prefix = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    for ids, head, conversation in zip(full, prefix, conversations):
+        if ids[: len(head)] != head or ids[-1] != eos:
+            raise AssertionError(f"chat tokenization is not prefix-stable for {conversation!r}")
+    return [ids[:-1] for ids in full]
+
+
+def heldout_chat_records(tokenizer, documents: dict[str, str]) -> list[dict]:
+    """Held-out write requests whose reference fits, in a fixed mixed order."""
+    records = tiny_chat.heldout_prompts(documents)
+    for record in records:
+        ids = tokenizer.encode(record["reference"] + "\n", add_special_tokens=False)
+        record["reference_tokens"] = len(ids) + 1  # and EOS
+    records = [r for r in records if r["reference_tokens"] <= MAX_HELDOUT_REPLY_TOKENS]
+    return sorted(records, key=lambda r: hashlib.sha1(r["source"].encode()).hexdigest())
+
+
+def prepare(data_dir: Path, new_tokenizer: bool, max_train_files: int | None, seed: int) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    corpus = collect_corpus(max_train_files)
+    train = corpus["train"]
+    heldout_all = {**corpus["heldout"], **corpus["heldout_third_party"]}
     logger.info(
-        "train: %d files, %d bytes; held-out: %d files, %d bytes",
-        len(train_docs),
-        sum(len(t.encode()) for t in train_docs.values()),
-        len(heldout_docs),
-        sum(len(t.encode()) for t in heldout_docs.values()),
+        "Python %s: train %d files, %d bytes; held out %d stdlib files (%d bytes) and %d "
+        "third-party files (%d bytes)",
+        sys.version.split()[0],
+        len(train),
+        num_bytes(train),
+        len(corpus["heldout"]),
+        num_bytes(corpus["heldout"]),
+        len(corpus["heldout_third_party"]),
+        num_bytes(corpus["heldout_third_party"]),
     )
 
-    start = time.perf_counter()
-    tokenizer = train_tokenizer(list(train_docs.values()), vocab_size)
+    if new_tokenizer:
+        tokenizer = train_tokenizer(list(train.values()), VOCAB_SIZE)
+    else:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(BUNDLED_TOKENIZER)
     tokenizer.save_pretrained(data_dir / "tokenizer")
-    logger.info("tokenizer trained in %.1fs", time.perf_counter() - start)
-
-    for text in list(heldout_docs.values())[:5]:
+    heldout_sets = {name: corpus[name] for name in ("heldout", "heldout_third_party")}
+    for text in [t for docs in heldout_sets.values() for t in list(docs.values())[:5]]:
         ids = tokenizer.encode(text, add_special_tokens=False)
         assert tokenizer.decode(ids) == text, "tokenizer does not round-trip"
 
+    conversations = tiny_chat.training_conversations(train, seed=seed)
+    chat_ids = encode_conversations(tokenizer, conversations)
+    names = sorted(train)
+    file_ids = tokenizer([train[n] for n in names], add_special_tokens=False)["input_ids"]
+    is_stdlib = [not n.startswith("site-packages/") for n in names]
+    documents = file_ids + chat_ids
+    order = list(range(len(documents)))
+    random.Random(seed).shuffle(order)
     eos = tokenizer.eos_token_id
-    encoded = tokenizer(list(train_docs.values()), add_special_tokens=False)["input_ids"]
-    stream = np.fromiter((t for ids in encoded for t in (eos, *ids)), dtype=np.uint16)
-    np.save(data_dir / "train_tokens.npy", stream)
-    (data_dir / "heldout.json").write_text(json.dumps(heldout_docs), encoding="utf-8")
-    num_train_bytes = sum(len(t.encode()) for t in train_docs.values())
+    stream = np.fromiter((t for i in order for t in (eos, *documents[i])), dtype=np.uint16)
+    tiny_trainer.write_train_tokens(data_dir / tiny_trainer.TRAIN_TOKENS_FILE, stream)
+
+    records = heldout_chat_records(tokenizer, heldout_all)
+    for name, docs in heldout_sets.items():
+        (data_dir / f"{name}.json").write_text(json.dumps(docs), encoding="utf-8")
+    (data_dir / "chat_heldout.json").write_text(json.dumps(records, indent=1), encoding="utf-8")
+
+    def tokens_where(mask: list[bool]) -> int:
+        return sum(len(ids) + 1 for ids, keep in zip(file_ids, mask) if keep)
+
+    tokenizer_json = (data_dir / "tokenizer" / "tokenizer.json").read_bytes()
     meta = {
         "python": sys.version.split()[0],
-        "stdlib": str(root),
-        "heldout_modules": list(tiny_corpus.HELDOUT_MODULES),
-        "heldout_files": sorted(heldout_docs),
-        "num_train_files": len(train_docs),
-        "num_train_bytes": num_train_bytes,
-        "num_train_tokens": int(stream.size),
-        "bytes_per_token": num_train_bytes / stream.size,
+        "stdlib": str(tiny_corpus.stdlib_dir()),
+        "site_packages": str(tiny_corpus.site_packages_dir()),
+        "seed": seed,
+        "tokenizer": "new" if new_tokenizer else "bundled",
+        "tokenizer_sha256": hashlib.sha256(tokenizer_json).hexdigest(),
         "vocab_size": len(tokenizer),
+        "heldout_modules": list(tiny_corpus.HELDOUT_MODULES),
+        "heldout_files": sorted(corpus["heldout"]),
+        "heldout_bytes": num_bytes(corpus["heldout"]),
+        "heldout_packages": corpus["heldout_packages"],
+        "heldout_third_party_bytes": num_bytes(corpus["heldout_third_party"]),
+        "heldout_chat_prompts": len(records),
+        "train_packages": corpus["packages"],
+        "left_out_for_leakage": {k: v for k, v in sorted(corpus["dropped"].items()) if v >= 0},
+        "sources": {
+            "stdlib": {
+                "files": sum(is_stdlib),
+                "bytes": sum(len(train[n].encode()) for n, s in zip(names, is_stdlib) if s),
+                "tokens": tokens_where(is_stdlib),
+            },
+            "third_party": {
+                "files": len(names) - sum(is_stdlib),
+                "bytes": sum(len(train[n].encode()) for n, s in zip(names, is_stdlib) if not s),
+                "tokens": tokens_where([not s for s in is_stdlib]),
+            },
+            "chat": {
+                "conversations": len(conversations),
+                "tokens": sum(len(ids) + 1 for ids in chat_ids),
+            },
+        },
+        "num_train_tokens": int(stream.size),
+        "train_tokens_file_bytes": (data_dir / tiny_trainer.TRAIN_TOKENS_FILE).stat().st_size,
     }
     (data_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    logger.info("train stream: %d tokens (%.2f bytes/token)", stream.size, meta["bytes_per_token"])
+    logger.info(
+        "train stream: %d tokens (%s); %d held-out chat prompts",
+        stream.size,
+        ", ".join(f"{k} {v['tokens']}" for k, v in meta["sources"].items()),
+        len(records),
+    )
 
 
 def write_prompt_snippets(
-    documents: dict[str, str], path: Path, count: int = 64, num_chars: int = 400
+    documents: dict[str, str],
+    path: Path,
+    chat_records: list[dict] | None,
+    count: int = 64,
+    num_chars: int = 400,
 ) -> None:
-    """Deterministic cuts of the held-out documents, for tests that must not need the corpus.
+    """Deterministic cuts of the held-out documents, and held-out chat prompts, for the tests.
 
     Cut i starts at the beginning of a line near fraction i / count of the documents
-    concatenated in sorted order.
+    concatenated in sorted order. The chat prompts are the first two stdlib and the
+    first two third-party named write requests of ``chat_heldout.json`` whose
+    reference answer is at most 100 tokens.
     """
     names = sorted(documents)
     total = sum(len(documents[n]) for n in names)
@@ -177,289 +302,43 @@ def write_prompt_snippets(
                 break
             target -= len(text)
     payload = {
-        "note": "cuts of the held-out stdlib modules (scripts/train_tiny.py snippets)",
+        "note": "cuts of the held-out stdlib modules and held-out chat prompts "
+        "(scripts/train_tiny.py snippets)",
         "python": sys.version.split()[0],
         "snippets": snippets,
     }
+    if chat_records is not None:
+        named = [
+            r
+            for r in chat_records
+            if "`" in r["messages"][0]["content"] and r["reference_tokens"] <= 100
+        ]
+        stdlib = [r for r in named if not r["source"].startswith("site-packages/")][:2]
+        third_party = [r for r in named if r["source"].startswith("site-packages/")][:2]
+        payload["chat"] = [
+            {"source": r["source"], "messages": r["messages"]} for r in stdlib + third_party
+        ]
     path.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
 
 
-# ----------------------------------------------------------------------- models
-
-
-def build_model(family: str, vocab_size: int, eos_id: int, seq_len: int):
-    """A freshly initialised transformers model of the given family (see README sizes)."""
-    from transformers import (
-        BambaConfig,
-        BambaForCausalLM,
-        Mamba2Config,
-        Mamba2ForCausalLM,
-        MambaConfig,
-        MambaForCausalLM,
-    )
-
-    special = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
-    if family == "bamba":
-        # 8 layers: Mamba2 everywhere except attention (GQA 4:2, RoPE) at 2 and 5.
-        config = BambaConfig(
-            vocab_size=vocab_size,
-            hidden_size=256,
-            intermediate_size=384,
-            num_hidden_layers=8,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            attn_layer_indices=[2, 5],
-            mamba_n_heads=16,
-            mamba_d_head=32,
-            mamba_n_groups=1,
-            mamba_d_state=32,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            mamba_chunk_size=64,
-            max_position_embeddings=4096,
-            tie_word_embeddings=True,
-            **special,
-        )
-        return BambaForCausalLM(config)
-    if family == "mamba2":
-        config = Mamba2Config(
-            vocab_size=vocab_size,
-            hidden_size=128,
-            num_hidden_layers=7,
-            num_heads=8,
-            head_dim=32,
-            state_size=32,
-            n_groups=1,
-            expand=2,
-            conv_kernel=4,
-            chunk_size=64,
-            tie_word_embeddings=False,
-            **special,
-        )
-        return Mamba2ForCausalLM(config)
-    if family == "mamba":
-        config = MambaConfig(
-            vocab_size=vocab_size,
-            hidden_size=192,
-            num_hidden_layers=4,
-            state_size=16,
-            expand=2,
-            conv_kernel=4,
-            tie_word_embeddings=True,
-            **special,
-        )
-        return MambaForCausalLM(config)
-    raise ValueError(f"unknown family {family!r}; choose from {', '.join(MODEL_NAMES)}")
-
-
-def param_groups(model, weight_decay: float):
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        # Matrices decay; norms, biases, SSM A/D/dt parameters and embeddings do not.
-        if param.ndim >= 2 and "embed" not in name and "embeddings" not in name:
-            decay.append(param)
-        else:
-            no_decay.append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-def lr_at(step: int, total_steps: int, warmup: int, peak: float) -> float:
-    """Linear warm-up, then cosine decay to 10% of the peak."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-
-# ------------------------------------------------------------------------ train
-
-
-def train_one(args, family: str) -> dict:
-    from transformers import GenerationConfig, PreTrainedTokenizerFast
-
-    device = torch.device(args.device)
-    fast_ssd.install()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    np.random.seed(args.seed)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(args.data_dir / "tokenizer")
-    stream = torch.from_numpy(np.load(args.data_dir / "train_tokens.npy").astype(np.int64))
-    seq_len, batch_size = BATCH_SHAPE[family]
-    seq_len = args.seq_len or seq_len
-    batch_size = args.batch_size or batch_size
-    model = build_model(family, len(tokenizer), tokenizer.eos_token_id, seq_len).to(device)
-    num_params = sum(p.numel() for p in model.parameters())
-    logger.info("[%s] %.2fM parameters, %d train tokens", family, num_params / 1e6, stream.numel())
-
-    peak_lr = args.lr or PEAK_LR[family]
-    optimizer = torch.optim.AdamW(
-        param_groups(model, 0.1),
-        lr=peak_lr,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-        fused=device.type == "cuda",
-    )
-    generator = torch.Generator().manual_seed(args.seed)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-    total_steps = args.max_steps
-    warmup = args.warmup_steps if total_steps is None else min(args.warmup_steps, total_steps)
-    start = time.perf_counter()
-    step = 0
-    tokens_seen = 0
-    losses: list[float] = []
-    model.train()
-    while total_steps is None or step < total_steps:
-        offsets = torch.randint(0, stream.numel() - seq_len - 1, (batch_size,), generator=generator)
-        rows = torch.stack([stream[o : o + seq_len + 1] for o in offsets.tolist()])
-        rows = rows.to(device, non_blocking=True)
-        lr = lr_at(step, total_steps or 10**9, warmup, peak_lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        with autocast:
-            logits = model(input_ids=rows[:, :-1], use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1)
-        )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        step += 1
-        tokens_seen += rows[:, 1:].numel()
-        if step % args.log_every == 0 or step == 1:
-            losses.append(loss.item())
-            elapsed = time.perf_counter() - start
-            logger.info(
-                "[%s] step %d loss %.4f lr %.2e %.0f tok/s %.0fs",
-                family,
-                step,
-                losses[-1],
-                lr,
-                tokens_seen / elapsed,
-                elapsed,
-            )
-        elapsed = time.perf_counter() - start
-        if total_steps is None and (step == args.warmup_steps or elapsed > 0.1 * args.time_budget):
-            # Fix the schedule's length from the measured speed (see module docstring).
-            per_step = elapsed / step
-            total_steps = max(step + 1, int(args.time_budget / per_step))
-            logger.info("[%s] %.3fs/step: training %d steps", family, per_step, total_steps)
-        if args.max_steps is None and elapsed > 1.1 * args.time_budget:
-            # NOTE: a hard stop, so that a slow device can never overrun its lease.
-            logger.info("[%s] stopping at step %d: over the time budget", family, step)
-            break
-    train_seconds = time.perf_counter() - start
-    final_loss = loss.item()
-
-    model.eval()
-    model.float()
-    documents = json.loads((args.data_dir / "heldout.json").read_text(encoding="utf-8"))
-    if args.eval_max_docs is not None:
-        documents = {k: documents[k] for k in sorted(documents)[: args.eval_max_docs]}
-    windows, num_bytes = eval_tiny.make_windows(tokenizer, documents, seq_len)
-    figures = eval_tiny.score_transformers(model, windows, num_bytes, batch_size=64)
-    logger.info(
-        "[%s] held-out loss %.4f ppl %.3f bits/byte %.4f",
-        family,
-        figures.loss,
-        figures.perplexity,
-        figures.bits_per_byte,
-    )
-
-    out = args.out_dir / MODEL_NAMES[family]
-    if out.exists():
-        shutil.rmtree(out)
-    model.to(torch.bfloat16).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    GenerationConfig(
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.eos_token_id,
-    ).save_pretrained(out)
-    report = {
-        "family": family,
-        "name": MODEL_NAMES[family],
-        "parameters": num_params,
-        "steps": step,
-        "batch_size": batch_size,
-        "seq_len": seq_len,
-        "tokens_seen": tokens_seen,
-        "peak_lr": peak_lr,
-        "train_seconds": round(train_seconds, 1),
-        "final_train_loss": final_loss,
-        "train_loss_curve": losses,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "heldout": {
-            "window": seq_len,
-            "loss": figures.loss,
-            "perplexity": figures.perplexity,
-            "bits_per_byte": figures.bits_per_byte,
-            "num_tokens": figures.num_tokens,
-            "num_bytes": figures.num_bytes,
-        },
-    }
-    (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    return report
-
-
-def run_parallel(args, families: list[str]) -> list[dict]:
-    """One process per model on the same device; they are launch-bound, so they overlap well."""
-    processes = []
-    for family in families:
-        command = [sys.executable, __file__, "train", "--models", family]
-        for key in (
-            "data_dir",
-            "out_dir",
-            "time_budget",
-            "seed",
-            "device",
-            "log_every",
-            "warmup_steps",
-        ):
-            command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-        for key in ("seq_len", "batch_size", "max_steps", "lr", "eval_max_docs", "threads"):
-            if getattr(args, key) is not None:
-                command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-        log = open(args.out_dir / f"train_{family}.log", "w")  # noqa: SIM115
-        processes.append(
-            (family, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log)
-        )
-    failed = []
-    for family, process, log in processes:
-        if process.wait() != 0:
-            failed.append(family)
-        log.close()
-    if failed:
-        raise SystemExit(f"training failed for {failed}; see {args.out_dir}/train_*.log")
-    return [
-        json.loads((args.out_dir / MODEL_NAMES[f] / "training_report.json").read_text())
-        for f in families
-    ]
+# ------------------------------------------------------------------------- CLI
 
 
 def format_reports(reports: list[dict]) -> str:
     lines = [
-        "| model | params | steps | tokens | train s | train loss | val loss | val ppl | "
-        "val bits/byte |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | params | steps | tokens | train s | stdlib bits/byte | third-party bits/byte "
+        "| chat stop |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in reports:
-        h = r["heldout"]
+        h = r.get("heldout", {})
+        stdlib = h.get("heldout", {}).get("bits_per_byte", float("nan"))
+        third = h.get("heldout_third_party", {}).get("bits_per_byte", float("nan"))
+        stop = h.get("chat", {}).get("stop_fraction", float("nan"))
         lines.append(
             f"| {r['name']} | {r['parameters'] / 1e6:.2f}M | {r['steps']} | "
-            f"{r['tokens_seen'] / 1e6:.1f}M | {r['train_seconds']} | "
-            f"{r['final_train_loss']:.3f} | {h['loss']:.4f} | {h['perplexity']:.3f} | "
-            f"{h['bits_per_byte']:.4f} |"
+            f"{r['tokens_seen'] / 1e6:.1f}M | {r.get('train_seconds', 0)} | {stdlib:.4f} | "
+            f"{third:.4f} | {stop:.0%} |"
         )
     return "\n".join(lines)
 
@@ -469,59 +348,80 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prepare", help="corpus, tokenizer and token arrays")
-    p.add_argument("--data-dir", type=Path, default=Path(".train_data"))
-    p.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
+    p = sub.add_parser("prepare", help="corpus, chat conversations, token stream, held-out sets")
+    p.add_argument("--data-dir", type=Path, default=Path(".data/tiny"))
+    p.add_argument("--new-tokenizer", action="store_true", help="train a tokenizer, not reuse")
     p.add_argument("--max-train-files", type=int, default=None, help="smoke tests only")
+    p.add_argument("--seed", type=int, default=0)
 
-    sn = sub.add_parser("snippets", help="write held-out prompt snippets for the tests")
-    sn.add_argument(
-        "--docs",
-        type=Path,
-        default=None,
-        help="held-out documents JSON (default: this interpreter's stdlib)",
-    )
+    sn = sub.add_parser("snippets", help="write held-out prompts for the tests")
+    sn.add_argument("--docs", type=Path, default=None, help="heldout.json (default: the stdlib)")
+    sn.add_argument("--chat", type=Path, default=None, help="chat_heldout.json from prepare")
     sn.add_argument("--out", type=Path, default=Path("ssmserve/model_data/heldout_prompts.json"))
 
-    t = sub.add_parser("train", help="train, evaluate and save models")
-    t.add_argument("--data-dir", type=Path, default=Path(".train_data"))
+    t = sub.add_parser("train", help="train, save and evaluate models")
+    t.add_argument("--data-dir", type=Path, default=Path(".data/tiny"))
     t.add_argument("--out-dir", type=Path, default=Path("runs/tiny"))
-    t.add_argument("--models", default="bamba,mamba2,mamba")
+    t.add_argument("--models", default="bamba", help="comma-separated: bamba,mamba2,mamba")
+    t.add_argument(
+        "--minutes",
+        type=float,
+        default=4.0,
+        help="wall-clock budget of each model's training loop (loading comes before it, the "
+        "final save and evaluation after)",
+    )
+    t.add_argument("--max-steps", type=int, default=None, help="exact step count instead")
     t.add_argument("--seq-len", type=int, default=None, help="default: per family")
     t.add_argument("--batch-size", type=int, default=None, help="default: per family")
-    t.add_argument(
-        "--max-steps",
-        type=int,
-        default=None,
-        help="exact step count (default: estimated from --time-budget)",
-    )
-    t.add_argument("--time-budget", type=float, default=300.0, help="seconds per model")
-    t.add_argument("--warmup-steps", type=int, default=50)
     t.add_argument("--lr", type=float, default=None, help="peak LR (default: per family)")
+    t.add_argument("--warmup-steps", type=int, default=50)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    t.add_argument("--log-every", type=int, default=50)
+    t.add_argument("--log-every-seconds", type=float, default=10.0)
+    t.add_argument("--save-every-minutes", type=float, default=1.0)
+    t.add_argument(
+        "--weights-only",
+        action="store_true",
+        help="checkpoints without tokenizer files (they are the data folder's)",
+    )
     t.add_argument("--eval-max-docs", type=int, default=None, help="smoke tests only")
-    t.add_argument("--threads", type=int, default=None, help="CPU threads per process")
-    t.add_argument("--parallel", action="store_true", help="one process per model")
+    t.add_argument("--chat-eval-prompts", type=int, default=64)
+    t.add_argument("--threads", type=int, default=None, help="CPU threads")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     if args.command == "prepare":
-        prepare(args.data_dir, args.vocab_size, args.max_train_files)
+        prepare(args.data_dir, args.new_tokenizer, args.max_train_files, args.seed)
         return 0
     if args.command == "snippets":
-        write_prompt_snippets(eval_tiny.load_heldout_documents(args.docs), args.out)
+        chat = json.loads(args.chat.read_text(encoding="utf-8")) if args.chat else None
+        write_prompt_snippets(eval_tiny.load_heldout_documents(args.docs), args.out, chat)
         return 0
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    families = args.models.split(",")
-    if args.parallel and len(families) > 1:
-        reports = run_parallel(args, families)
-    else:
-        reports = [train_one(args, family) for family in families]
+    reports = []
+    for family in args.models.split(","):
+        options = tiny_trainer.TrainOptions(
+            data_dir=args.data_dir,
+            out_dir=args.out_dir,
+            family=family,
+            minutes=args.minutes,
+            max_steps=args.max_steps,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            warmup_steps=args.warmup_steps,
+            seed=args.seed,
+            device=args.device,
+            log_every_seconds=args.log_every_seconds,
+            save_every_minutes=args.save_every_minutes,
+            weights_only=args.weights_only,
+            eval_max_docs=args.eval_max_docs,
+            chat_eval_prompts=args.chat_eval_prompts,
+            threads=args.threads,
+        )
+        reports.append(tiny_trainer.train(options))
     print(format_reports(reports))
-    return 0
+    return 0 if all(r["status"] == "done" and "heldout" in r for r in reports) else 1
 
 
 if __name__ == "__main__":
