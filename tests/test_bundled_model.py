@@ -215,7 +215,7 @@ def test_served_chat_without_max_tokens_stops_by_itself():
 
     from ssmserve.config import EngineConfig
     from ssmserve.engine.engine import LLMEngine
-    from ssmserve.server.api import build_app
+    from ssmserve.server.app import build_app
     from ssmserve.server.async_engine import AsyncLLMEngine
     from tests.server.conftest import ServerThread
 
