@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import sys
 import time
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for mode in modes:
         config = EngineConfig.from_args(args, model=args.model, enable_prefix_caching=mode == "on")
         engine = LLMEngine(config)
-        report.setdefault("meta", run_metadata(None, engine.device))
+        report.setdefault("meta", run_metadata(os.environ.get("SSMSERVE_COMMIT"), engine.device))
         report.setdefault("model", engine.model_config.architecture)
         warm_up(engine, params)
         for workload in workloads:
