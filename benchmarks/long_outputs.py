@@ -38,18 +38,19 @@ from ssmserve.engine.engine import LLMEngine
 from ssmserve.sampling_params import RequestOutputKind, SamplingParams
 
 
-def cache_budget(args: argparse.Namespace, model: str) -> tuple[int, torch.dtype]:
+def cache_budget(args: argparse.Namespace, model: str) -> tuple[int, torch.dtype, bool]:
     """Bytes the engine gives its caches on this device for `model` (what the weights and
-    the activation peak leave: the same whatever the state dtype), and the weights' dtype."""
+    the activation peak leave: the same whatever the state dtype), the weights' dtype,
+    and whether the model has SSM layers (state slots)."""
     probe = LLMEngine(
         EngineConfig.from_args(args, **_engine_args(args, model, 1), enforce_eager=True)
     )
     budget = probe.cache_budget_bytes
-    dtype = probe.dtype
+    dtype, has_state = probe.dtype, probe.state_pool is not None
     probe.shutdown()
     del probe
     _free_memory()
-    return int(budget), dtype
+    return int(budget), dtype, has_state
 
 
 def largest_batch(
@@ -214,8 +215,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     rows = []
     for model in args.models:
-        budget, dtype = cache_budget(args, model)
-        for state_dtype in args.state_dtypes if has_ssm_layers(model) else ["auto"]:
+        budget, dtype, has_state = cache_budget(args, model)
+        for state_dtype in args.state_dtypes if has_state else ["auto"]:
             rows.append(measure(args, model, state_dtype, budget, dtype))
             print(table(rows[-1:]), flush=True)
     report: dict[str, Any] = {
@@ -238,12 +239,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         write_json(args.json, report)
     return report
-
-
-def has_ssm_layers(model: str) -> bool:
-    """Whether the model has SSM layers (from its config alone)."""
-    model = meta_model(ModelConfig.from_hf(model), torch.bfloat16)
-    return any(spec.state is not None for spec in model.cache_specs())
 
 
 if __name__ == "__main__":

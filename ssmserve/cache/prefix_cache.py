@@ -249,7 +249,6 @@ class PrefixCache:
     def plan_step(self, plan) -> None:
         """At the end of planning a step: choose the chunk-boundary snapshots inside its
         prefill chunks."""
-        locks = self._locks(plan)
         if not self.has_state:
             return
         q = self.interval
@@ -260,13 +259,15 @@ class PrefixCache:
                 if checkpoint is None:
                     continue
                 checkpoint.users += 1
-                locks.written.append(checkpoint)
+                self._locks(plan).written.append(checkpoint)
                 chunk.snapshots.append((position - chunk.start, checkpoint.row))
 
     def take_queued_saves(self, plan) -> None:
         """Move the queued saves into the step `plan`, which is about to run: its cache
         copies make them first thing (the engine plans a step while the one before runs,
         so saves that step queued arrive after planning)."""
+        if not self._queued:
+            return
         locks = self._locks(plan)
         for pending in self._queued:
             pending.checkpoint.state = READY
@@ -277,17 +278,19 @@ class PrefixCache:
 
     def discard_snapshots(self, chunk, plan) -> None:
         """A planned chunk will not run: the checkpoints its scans were to write go."""
-        locks = self._locks(plan)
         rows = {row for _, row in chunk.snapshots}
-        for checkpoint in [c for c in locks.written if c.row in rows]:
-            locks.written.remove(checkpoint)
+        written = plan.cache_locks.written if plan.cache_locks is not None else []
+        for checkpoint in [c for c in written if c.row in rows]:
+            written.remove(checkpoint)
             checkpoint.users -= 1
             self._evict(checkpoint)
         chunk.snapshots.clear()
 
     def step_done(self, plan) -> None:
         """The step `plan` has run: what it wrote is readable, what it held is free."""
-        locks = self._locks(plan)
+        locks = plan.cache_locks
+        if locks is None:
+            return
         for checkpoint in locks.written:
             checkpoint.state = READY
             checkpoint.users -= 1
