@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ssmserve import LLM, SamplingParams
@@ -57,11 +57,13 @@ def prompt_tree(rng: random.Random, num: int) -> list[list[int]]:
 
 
 def assert_same(got, want, what) -> None:
-    """Greedy tokens equal, chosen-token logprobs within 1e-5."""
+    """Greedy tokens equal, chosen-token logprobs within 5e-5 relative: a prompt resumed
+    from a checkpoint sums its scan in another order than one computed whole (1.35e-5
+    measured on the Bamba example below; a wrong state is off by orders more)."""
     assert got.outputs[0].token_ids == want.outputs[0].token_ids, what
     for i, t in enumerate(want.outputs[0].token_ids):
         a, b = got.outputs[0].logprobs[i][t].logprob, want.outputs[0].logprobs[i][t].logprob
-        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (what, i, a, b)
+        assert abs(a - b) <= 5e-5 * max(1.0, abs(b)), (what, i, a, b)
 
 
 def assert_idle(llm: LLM) -> None:
@@ -96,6 +98,7 @@ def drive(engine: LLMEngine, prompts, rng: random.Random, aborted: set[str]) -> 
     max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(seed=st.integers(0, 2**16), budget=st.sampled_from([4, 13, None]), tiny=st.booleans())
+@example(seed=487, budget=13, tiny=False)  # the largest rounding difference found so far
 def test_cached_equals_uncached(checkpoint, family, seed, budget, tiny):
     """Random prompt trees arriving over time, any token budget, aborts; `tiny`: a pool of
     two state checkpoints (evicting all along) and, for attention models, so few KV blocks
