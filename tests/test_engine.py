@@ -237,6 +237,56 @@ def test_overlapped_steps_equal_one_step_at_a_time(checkpoint, family):
                 assert pa.keys() == pb.keys()
 
 
+@pytest.mark.parametrize("family", ["bamba", "llama"])
+def test_steps_launched_ahead_take_their_tokens_from_the_device(checkpoint, family, monkeypatch):
+    """Step n+1 is launched before step n's tokens are read on the host: its decode
+    inputs come from n's sampled ids on the device. Requests that end with a stop token
+    while a step for them is already launched (the step's work is thrown away), a
+    follow-up turn resumed from the state that step left (prefix caching), and
+    penalties (which wait for n's tokens) give what one step at a time gives."""
+    from ssmserve.engine.model_runner import ModelRunner
+
+    path = checkpoint(family)
+    prompts = token_prompts(make_llm(path).get_tokenizer().vocab_size, [3, 9, 14], seed=5)
+    free = make_llm(path).generate(prompts, GREEDY)
+    # A stop token each request meets part-way (its 4th greedy token).
+    stops = [o.outputs[0].token_ids[3] for o in free]
+    params = [SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[t]) for t in stops]
+    params[2] = SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.3)
+    filled = []
+    execute = ModelRunner.execute
+
+    def spy(self, packed, received=None, tokens=None):
+        filled.append(tokens is not None)
+        return execute(self, packed, received, tokens)
+
+    monkeypatch.setattr(ModelRunner, "execute", spy)
+    runs = []
+    for overlap in (False, True):
+        llm = make_llm(path, overlap_steps=overlap, max_num_batched_tokens=6)
+        first = llm.generate(prompts, params)
+        # Follow-up turns: each earlier prompt + its output + new tokens.
+        turns = [
+            {"prompt_token_ids": p["prompt_token_ids"] + list(o.outputs[0].token_ids) + [7, 8]}
+            for p, o in zip(prompts, first, strict=True)
+        ]
+        second = llm.generate(turns, GREEDY)
+        runs.append((first, second, [o.num_cached_tokens for o in second]))
+        assert_idle(llm.stats())
+        assert any(filled) == overlap, "the overlapped run never launched a step ahead"
+        filled.clear()
+    (first_a, second_a, _), (first_b, second_b, cached) = runs
+    for a, b in zip(first_a + second_a, first_b + second_b, strict=True):
+        assert (a.outputs[0].token_ids, a.outputs[0].finish_reason) == (
+            b.outputs[0].token_ids,
+            b.outputs[0].finish_reason,
+        )
+    for o, stop in zip(first_b[:2], stops[:2], strict=True):
+        assert o.outputs[0].finish_reason == "stop" and o.outputs[0].stop_reason == stop
+    for p, o, hit in zip(prompts, first_b, cached, strict=True):
+        assert hit >= len(p["prompt_token_ids"]) + len(o.outputs[0].token_ids) - 1
+
+
 def test_a_stop_string_completed_by_the_last_allowed_token_still_stops(checkpoint):
     llm = make_llm(checkpoint("llama"))
     free = llm.generate(["import os"], SamplingParams(max_tokens=6, temperature=0))[0]

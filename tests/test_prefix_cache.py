@@ -131,7 +131,9 @@ class SymbolicModel:
         self.kv: dict[int, list] = {}
         self.reads = 0
 
-    def run(self, plan, has_state: bool, has_kv: bool) -> dict[str, int]:
+    def run(self, plan, has_state: bool, has_kv: bool, pending=None) -> dict[str, int]:
+        """`pending`: request id -> the token the step in flight samples for it (a step
+        launched before the one before it was applied reads it on the device)."""
         ops = plan.cache_ops
         saved = {dst: self.rows.get(src) for src, dst in ops.state_saves}
         self.rows.update(saved)
@@ -144,6 +146,8 @@ class SymbolicModel:
         for chunk in plan.chunks:
             r = chunk.request
             tokens = tuple(r.all_token_ids)
+            if chunk.end > len(tokens):
+                tokens += (pending[r.request_id],)
             if has_state and chunk.start > 0:
                 assert self.rows.get(r.state_slot) == tokens[: chunk.start], (r, "state")
                 self.reads += 1
@@ -216,7 +220,7 @@ def make_scheduler(kind, budget, num_blocks, block_size, slots, checkpoints, int
     return scheduler, cache, SymbolicModel(block_size), has_state, has_kv
 
 
-def launch(scheduler, model, plan, has_state, has_kv):
+def launch(scheduler, model, plan, has_state, has_kv, pending=None):
     """What the engine does with a plan it is about to run: drop the chunks whose request
     finished since planning, queue the saves, run the (symbolic) forward."""
     dropped = [c for c in plan.chunks if not c.is_current]
@@ -226,7 +230,9 @@ def launch(scheduler, model, plan, has_state, has_kv):
     if not plan.chunks:
         return None
     scheduler.before_launch(plan)
-    return plan, model.run(plan, has_state, has_kv)
+    sampled = model.run(plan, has_state, has_kv, pending)
+    scheduler.after_launch(plan)
+    return plan, sampled
 
 
 def drive(
@@ -238,24 +244,34 @@ def drive(
     arrivals,
     aborts=(),
     max_steps=3000,
-    overlap=True,
+    order="launch_ahead",
 ):
     """Run `arrivals` ([(step, Request)]) to the end, aborting the oldest live request at
-    the steps in `aborts`; returns the finished requests by id. With `overlap`, the
-    engine's order: plan step n+1, then apply step n's tokens, then launch n+1."""
+    the steps in `aborts`; returns the finished requests by id. The engine's orders:
+    "launch_ahead" plans and launches step n+1, then applies step n's tokens (one
+    device); "plan_ahead" plans n+1, applies n's tokens, then launches n+1 (tensor
+    parallel); "sync" runs each step start to finish."""
     pending = sorted(arrivals, key=lambda a: a[0])
     done, step, in_flight = {}, 0, None
+
+    def apply(in_flight):
+        for r in scheduler.update(*in_flight):
+            if r.is_finished:
+                done[r.request_id] = r
+
     while pending or scheduler.has_unfinished_requests() or in_flight:
         while pending and pending[0][0] <= step:
             scheduler.add_request(pending.pop(0)[1])
         plan = scheduler.schedule()
-        if not overlap and plan.chunks:
+        if order == "launch_ahead" and in_flight is not None and plan.chunks:
+            ahead = launch(scheduler, model, plan, has_state, has_kv, pending=in_flight[1])
+            apply(in_flight)
+            in_flight, plan = ahead, None
+        if order == "sync" and plan.chunks:
             in_flight = launch(scheduler, model, plan, has_state, has_kv)
             plan = None
         if in_flight is not None:
-            for r in scheduler.update(*in_flight):
-                if r.is_finished:
-                    done[r.request_id] = r
+            apply(in_flight)
             in_flight = None
         if plan is not None and plan.chunks:
             in_flight = launch(scheduler, model, plan, has_state, has_kv)
@@ -287,10 +303,10 @@ def assert_all_released(scheduler, cache) -> None:
     interval=st.sampled_from([1, 3, 4, 16]),
     spare_blocks=st.integers(0, 12),
     aborts=st.sets(st.integers(0, 60), max_size=3),
-    overlap=st.booleans(),
+    order=st.sampled_from(["launch_ahead", "plan_ahead", "sync"]),
 )
 def test_every_read_is_of_the_right_prefix(
-    kind, seed, budget, block_size, slots, checkpoints, interval, spare_blocks, aborts, overlap
+    kind, seed, budget, block_size, slots, checkpoints, interval, spare_blocks, aborts, order
 ):
     """Random prompt trees, budgets down to one token, preemption (few KV blocks),
     aborts, tiny checkpoint pools, steps planned while the one before runs or not: every
@@ -306,7 +322,7 @@ def test_every_read_is_of_the_right_prefix(
         for i, p in enumerate(prompts)
     ]
     parts = make_scheduler(kind, budget, num_blocks, block_size, slots, checkpoints, interval)
-    done = drive(*parts, arrivals, aborts, overlap=overlap)
+    done = drive(*parts, arrivals, aborts, order=order)
     scheduler, cache = parts[:2]
     # The symbolic model's tokens are a function of the prefix: equal for any caching.
     for _, r in arrivals:

@@ -301,21 +301,30 @@ class PrefixCache:
         plan.cache_locks = None
         self.num_locking_steps -= 1
 
-    def chunk_done(self, chunk) -> None:
-        """After a chunk has run (counters advanced, no token appended yet): register
-        full blocks, and keep the state at its end if that is a checkpoint position (a
-        chunk boundary, or the last prompt position before the final token)."""
+    def chunk_launched(self, chunk) -> None:
+        """After a chunk was launched: keep the state at its end if that is a checkpoint
+        position (a chunk boundary, or the last prompt position before the final token).
+        The copy is queued for the next step that runs, which makes it before the slot
+        moves on (a step may be launched before the one before it is done)."""
+        if not self.has_state:
+            return
         request = chunk.request
-        self.commit_blocks(request, chunk.end)
-        # The prompt (and outputs) known when the chunk ran: a token it sampled is not
+        # The prompt (and outputs) known at launch: a token the chunk samples is not
         # appended yet, and tokens planned since are not counted.
         end, last = chunk.end, len(request.all_token_ids) - 1
-        if self.has_state:
-            # NOTE: the slot holds the state at the chunk's end only: the scheduler ends
-            # prefill chunks at `last` so that this position gets its checkpoint.
-            if end == last or (end < last and end % self.interval == 0):
-                self.save(request, end)
-        elif chunk.start < last <= end:
+        # NOTE: the slot holds the state at the chunk's end only: the scheduler ends
+        # prefill chunks at `last` so that this position gets its checkpoint.
+        if end == last or (end < last and end % self.interval == 0):
+            self.save(request, end)
+
+    def chunk_done(self, chunk) -> None:
+        """After a chunk has run (counters advanced, no token appended yet): register
+        full blocks; without SSM layers, keep the KV of the last prompt position before
+        the final token as a checkpoint (the blocks hold it once the chunk ran)."""
+        request = chunk.request
+        self.commit_blocks(request, chunk.end)
+        last = len(request.all_token_ids) - 1
+        if not self.has_state and chunk.start < last <= chunk.end:
             self.save(request, last)
 
     def save(self, request, position: int) -> None:

@@ -71,6 +71,9 @@ class LocalExecutor:
     """One rank: the runner lives in this process."""
 
     depth = 1
+    # Steps may take input tokens from the sampled ids of the step before, still on the
+    # device (the engine launches step n+1 before step n's results are back).
+    fills_tokens = True
 
     def __init__(self, runner) -> None:
         self.runner = runner
@@ -79,8 +82,8 @@ class LocalExecutor:
     def call(self, method: str, *args: Any) -> list[Any]:
         return [getattr(self.runner, method)(*args)]
 
-    def execute(self, packed: torch.Tensor) -> Logits:
-        return Logits(self.runner.execute(packed))
+    def execute(self, packed: torch.Tensor, tokens: torch.Tensor | None = None) -> Logits:
+        return Logits(self.runner.execute(packed, tokens=tokens))
 
     def shutdown(self) -> None:
         self.runner.release_caches()
@@ -190,6 +193,8 @@ class DistributedExecutor:
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         self.world = tp * pp
         self.depth = pp
+        # Workers get a step's input tokens from the packed step only (no fills).
+        self.fills_tokens = False
         self.stages = [r // tp for r in range(self.world)]
         self.vocab_size = model_config.vocab_size
         self._procs: list[subprocess.Popen] = []

@@ -353,10 +353,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Advance generation by one step; return the outputs of requests that advanced.
 
-        With `overlap_steps` (the default) the engine plans step n+1 while the GPU runs
-        step n, launches it as soon as n's tokens are back, and builds n's outputs while
-        n+1 runs: each call returns the outputs of the step before. Without it, each call
-        runs one step start to finish. Both give every request the same output.
+        With `overlap_steps` (the default) the engine plans and launches step n+1 while
+        the device runs step n, taking n+1's new input tokens from n's sampled ids on
+        the device, and reads n's results and builds its outputs while n+1 runs: each
+        call returns the outputs of the step before, and the device never waits for the
+        host between steps. (Under tensor or pipeline parallelism, where workers get
+        their tokens from the host, n+1 is planned while n runs and launched once n's
+        tokens are back.) Without it, each call runs one step start to finish. Both give
+        every request the same output.
 
         Raises RequestFailedError (with the other outputs) when some requests failed in
         their own bookkeeping; the engine stays usable. Any other exception is fatal.
@@ -368,9 +372,8 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        depth = self.executor.depth if self.config.overlap_steps else 1
-        plan = self._plan(allow_pending=depth == 1)
         if not self.config.overlap_steps:
+            plan = self._plan(allow_pending=True)
             if plan is None:
                 return []
             step = self._launch(plan)
@@ -378,6 +381,10 @@ class LLMEngine:
                 return []
             self._collect(step)
             return self._finish(step)
+        if self.executor.fills_tokens:
+            return self._step_ahead()
+        depth = self.executor.depth
+        plan = self._plan(allow_pending=depth == 1)
         done = None
         if self._in_flight and (depth == 1 or len(self._in_flight) >= depth or plan is None):
             done = self._in_flight.popleft()
@@ -387,6 +394,35 @@ class LLMEngine:
             if step is not None:
                 self._in_flight.append(step)
         return self._finish(done) if done is not None else []
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Plan and launch step n+1 while step n runs, then collect n and build its
+        outputs (one step in flight between calls)."""
+        plan = self._plan(allow_pending=True)
+        done = self._in_flight.popleft() if self._in_flight else None
+        step = None
+        if plan is not None and done is not None and not self._needs_results(plan):
+            step = self._launch(plan, ahead_of=done)
+            plan = None
+        if done is not None:
+            self._collect(done)
+        if plan is not None:  # nothing in flight, or penalties over n's tokens
+            step = self._launch(plan)
+        if step is not None:
+            self._in_flight.append(step)
+        return self._finish(done) if done is not None else []
+
+    def _needs_results(self, plan: StepPlan) -> bool:
+        """Whether a chunk of `plan` samples with penalties while some of its request's
+        output tokens are still being sampled (the penalties count them on the host)."""
+        owner = self.outputs.owner
+        for chunk in plan.chunks:
+            request = chunk.request
+            if chunk.samples and chunk.end > len(request.all_token_ids):
+                owned = owner.get(request.request_id)
+                if owned is not None and owned[0].params.has_penalties:
+                    return True
+        return False
 
     def _plan(self, allow_pending: bool) -> StepPlan | None:
         plan = self.scheduler.schedule(allow_pending)
@@ -400,9 +436,11 @@ class LLMEngine:
             )
         return None
 
-    def _launch(self, plan: StepPlan) -> _Step | None:
+    def _launch(self, plan: StepPlan, ahead_of: _Step | None = None) -> _Step | None:
         """Queue the forward and the sampling of a plan's chunks that are still current
-        (a request may have finished or been preempted since the plan was made)."""
+        (a request may have finished or been preempted since the plan was made).
+        `ahead_of`: the step in flight whose results are not back yet; tokens it is
+        sampling come from its sampled ids on the device."""
         dropped = [c for c in plan.chunks if not c.is_current]
         if dropped:
             self.scheduler.discard(plan, dropped)
@@ -430,8 +468,15 @@ class LLMEngine:
                 step.sampling.append((chunk, len(rows)))
                 rows.append(offset + chunk.num_new_tokens - 1)
             offset += chunk.num_new_tokens
-        inputs = step_inputs(chunks, rows, self.config.block_size, plan.cache_ops)
-        step.logits = self.executor.execute(inputs.pack())
+        pending_rows, tokens = None, None
+        if ahead_of is not None and ahead_of.pending is not None:
+            pending_rows, tokens = ahead_of.row_of, ahead_of.pending.token_ids
+        inputs = step_inputs(chunks, rows, self.config.block_size, plan.cache_ops, pending_rows)
+        if inputs.fills:
+            step.logits = self.executor.execute(inputs.pack(), tokens)
+        else:
+            step.logits = self.executor.execute(inputs.pack())
+        self.scheduler.after_launch(plan)
         if self.executor.depth == 1:
             self._sample(step)  # queued behind the forward; results come back in _collect
         return step
@@ -448,6 +493,7 @@ class LLMEngine:
                         sample.index,
                         group.prompt_token_ids,
                         chunk.request.output_token_ids,
+                        chunk.end - chunk.request.num_prompt_tokens,
                     )
                 )
             step.pending = self.sampler.launch(

@@ -147,12 +147,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, packed: torch.Tensor, received: dict[str, torch.Tensor] | None = None
+        self,
+        packed: torch.Tensor,
+        received: dict[str, torch.Tensor] | None = None,
+        tokens: torch.Tensor | None = None,
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         """Logits of one packed step (StepInputs.pack), by graph replay where it can; a
         pipeline stage before the last returns what it sends the next stage. The step's
-        cache copies (prefix caching) come first, outside any graph."""
+        cache copies (prefix caching) come first, outside any graph. `tokens`: the step
+        before's sampled ids on the device, which the step's fills read."""
+        if self.device.type == "cuda" and packed.device.type == "cpu":
+            # From pinned memory the copy is queued without waiting for the device (a
+            # copy from pageable memory may wait for the step in flight to finish).
+            packed = packed.pin_memory()
         batch = ForwardBatch.from_packed(packed, self.device)
+        if batch.fills is not None:
+            if tokens is None:
+                raise ValueError("this step fills input tokens in but no sampled ids came")
+            index, rows = batch.fills
+            batch.input_ids.index_copy_(0, index, tokens.index_select(0, rows))
         if batch.cache_copies is not None:
             apply_cache_copies(self.caches, batch.cache_copies)
         if self.graphs is not None and self.graphs.can_run(batch):
@@ -208,8 +221,14 @@ def step_inputs(
     logits_rows: list[int],
     block_size: int,
     cache_ops: CacheOps | None = None,
+    pending_rows: dict[str, int] | None = None,
 ) -> StepInputs:
-    """The host inputs of one step; `chunks` must be in `order_chunks` order."""
+    """The host inputs of one step; `chunks` must be in `order_chunks` order.
+
+    A chunk whose token is still being sampled by the step before (launched, results not
+    back) gets a placeholder and a fill from that step's sampled row
+    `pending_rows[request id]`.
+    """
     inputs = StepInputs(logits_indices=logits_rows)
     if cache_ops is not None:
         inputs.state_saves = cache_ops.state_saves
@@ -218,8 +237,15 @@ def step_inputs(
     for chunk in chunks:
         req = chunk.request
         inputs.num_decodes += chunk.is_decode
+        token_ids = req.all_token_ids[chunk.start : chunk.end]
+        if len(token_ids) < chunk.num_new_tokens:
+            # Only a request's last token can be pending, and a chunk holding it
+            # starts there (everything before it is computed).
+            assert chunk.num_new_tokens == 1 and pending_rows is not None, chunk
+            inputs.fills.append((len(inputs.input_ids), pending_rows[req.request_id]))
+            token_ids = [0]
         inputs.add_sequence(
-            req.all_token_ids[chunk.start : chunk.end],
+            token_ids,
             chunk.start,
             req.block_ids,
             block_size,

@@ -47,7 +47,10 @@ class SamplingRow:
     params: SamplingParams
     sample_index: int  # which of the request's n samples; part of a seeded row's noise key
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    output_token_ids: list[int]  # complete when the row has penalties
+    # Output position of the token drawn (len(output_token_ids) when None): a step
+    # launched before the one before it came back has tokens not in the list yet.
+    position: int | None = None
 
 
 @dataclass
@@ -59,6 +62,14 @@ class SamplerOutput:
     ranks: list[int | None]  # its rank in the raw distribution (1 = top); None unless asked
     top_ids: list[list[int]]  # the row's `logprobs` top alternatives by rank, [] if none
     top_logprobs: list[list[float]]
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's copy on `device`, queued behind the work already there without
+    the host waiting for it (from pinned memory: a copy from pageable memory may wait)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 class _Packed:
@@ -76,9 +87,7 @@ class _Packed:
     def upload(self, device: torch.device) -> dict[str, torch.Tensor]:
         if not self.data:
             return {}
-        # non_blocking: CUDA stages pageable memory before returning, without waiting for
-        # the work already queued on the device (the forward that made the logits).
-        buf = torch.frombuffer(self.data, dtype=torch.float64).to(device, non_blocking=True)
+        buf = _to_device(torch.frombuffer(self.data, dtype=torch.float64), device)
         return {
             name: buf[a:b] if width == 1 else buf[a:b].view(-1, width)
             for name, (a, b, width) in self.spans.items()
@@ -120,7 +129,7 @@ class _Batch:
         prompt_ids = array("q")
         for i, row in enumerate(rows):
             p = row.params
-            position = len(row.output_token_ids)
+            position = len(row.output_token_ids) if row.position is None else row.position
             if p.temperature == 0.0:
                 temps.append(1.0)
             else:
@@ -195,7 +204,7 @@ class _Batch:
         dev = self._packed.upload(device)
         if self._penalty_ids:
             ids = torch.frombuffer(self._penalty_ids, dtype=torch.int64)
-            dev["penalty_ids"] = ids.to(device, non_blocking=True)
+            dev["penalty_ids"] = _to_device(ids, device)
         return dev
 
 
@@ -402,7 +411,7 @@ class Sampler:
                 "give one logits row per sampling row"
             )
         if not rows:
-            return PendingSample(None, None, None)
+            return PendingSample(None, None, None, None)
         batch = _Batch(rows, logits.shape[1], logits.shape[0], logits_rows)
         dev = batch.upload(logits.device)
         raw = logits.index_select(0, dev["rows"].long()) if batch.gather else logits
@@ -412,7 +421,7 @@ class Sampler:
             chosen = _draw(_filtered(z, batch, dev), batch, dev, generator)
         else:
             chosen = z.argmax(-1)
-        return PendingSample(_results(raw, chosen, batch, dev), batch, logits.device)
+        return PendingSample(_results(raw, chosen, batch, dev), batch, chosen, logits.device)
 
 
 def _results(
@@ -435,10 +444,21 @@ def _results(
 
 
 class PendingSample:
-    """A launched sampling pass whose results are on their way to the host."""
+    """A launched sampling pass whose results are on their way to the host.
 
-    def __init__(self, packed: torch.Tensor | None, batch: _Batch | None, device) -> None:
+    `token_ids` [rows] int64 on the device: the sampled ids, which a step launched before
+    these results are read takes its input tokens from.
+    """
+
+    def __init__(
+        self,
+        packed: torch.Tensor | None,
+        batch: _Batch | None,
+        token_ids: torch.Tensor | None,
+        device,
+    ) -> None:
         self._batch = batch
+        self.token_ids = token_ids
         self._event = None
         self._host = packed
         if packed is not None and packed.is_cuda:

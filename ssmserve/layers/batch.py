@@ -33,6 +33,7 @@ HEADER = (
     "num_state_restores",
     "num_block_copies",
     "num_snapshots",
+    "num_fills",
 )
 HEADER_LEN = len(HEADER)
 
@@ -69,6 +70,9 @@ class StepInputs:
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     snapshots: list[tuple[int, int, int]] = field(default_factory=list)
+    # (token index, row): input token `index` is a placeholder for the token sampled in
+    # row `row` of the step before, still on the device when this step is launched.
+    fills: list[tuple[int, int]] = field(default_factory=list)
 
     def add_sequence(
         self,
@@ -116,6 +120,7 @@ class StepInputs:
             len(self.state_restores),
             len(self.block_copies),
             len(self.snapshots),
+            len(self.fills),
         ]
         # array('q') takes lists at C speed and hands torch its buffer without a copy:
         # several times cheaper than torch.tensor on a list this long (block tables).
@@ -140,6 +145,8 @@ class StepInputs:
             out.extend(p[1] for p in ops)
         for i in (0, 1, 2):
             out.extend(snapshot[i] for snapshot in self.snapshots)
+        out.extend(f[0] for f in self.fills)
+        out.extend(f[1] for f in self.fills)
         return torch.frombuffer(out, dtype=torch.long)
 
 
@@ -168,6 +175,9 @@ class ForwardBatch:
     # SSM layers write at chunk boundaries, sorted by sequence then tokens.
     cache_copies: CacheCopies | None = None
     snapshots_p: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Input tokens still to fill in from the step before's sampled ids on the device:
+    # (token indices, sampled rows); None when there are none.
+    fills: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -204,10 +214,10 @@ class ForwardBatch:
         or already on `device`, with `host` its host copy when host values are wanted."""
         host = packed if host is None and packed.device.type == "cpu" else host
         head = (host if host is not None else packed)[:HEADER_LEN].tolist()
-        T, S, K, width, nd, n_save, n_restore, n_copy, n_snap = head
+        T, S, K, width, nd, n_save, n_restore, n_copy, n_snap, n_fill = head
         data = packed.to(device, non_blocking=True) if packed.device != device else packed
         sizes = [T, T, T, S + 1, S, S, S, K, S * width]
-        sizes += [n_save] * 2 + [n_restore] * 2 + [n_copy] * 2 + [n_snap] * 3
+        sizes += [n_save] * 2 + [n_restore] * 2 + [n_copy] * 2 + [n_snap] * 3 + [n_fill] * 2
         parts = data[HEADER_LEN:].split(sizes)
         ids, pos, slots, qsl, lens, ctx, state, rows, tables = parts[:9]
         copies = CacheCopies(*parts[9:15]) if n_save + n_restore + n_copy else None
@@ -234,5 +244,6 @@ class ForwardBatch:
             query_start_loc_host=qsl_host,
             context_lens_host=ctx_host,
             cache_copies=copies,
-            snapshots_p=tuple(parts[15:]) if n_snap else None,
+            snapshots_p=tuple(parts[15:18]) if n_snap else None,
+            fills=tuple(parts[18:20]) if n_fill else None,
         )

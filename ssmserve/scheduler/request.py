@@ -55,6 +55,9 @@ class Request:
         # Tokens whose step has run and been collected (num_computed_tokens also counts
         # planned chunks still in flight).
         self.num_settled_tokens = 0
+        # Tokens whose chunks have been launched (what the state slot holds once the
+        # steps in flight are done); planned chunks not launched yet are not counted.
+        self.num_launched_tokens = 0
         self.block_ids: list[int] = []
         self.state_slot: int | None = None
         self.num_preemptions = 0

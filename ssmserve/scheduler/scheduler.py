@@ -82,10 +82,12 @@ class Scheduler:
             and request.status == RequestStatus.RUNNING
             and status != RequestStatus.FINISHED_ABORTED
         ):
-            # The state after everything but the last token: what a follow-up turn needs.
-            # (The slot holds exactly that: the last token was sampled, never fed back,
-            # and a chunk planned for it after that step is dropped, not run.)
-            self.prefix_cache.save(request, len(request.all_token_ids) - 1)
+            # What a follow-up turn needs: the state after everything but the last token,
+            # or after every token when a step launched before this one's result came
+            # back has fed the last one in already. The slot holds the state after the
+            # launched chunks (a chunk planned and not launched is dropped, not run).
+            position = min(request.num_launched_tokens, len(request.all_token_ids))
+            self.prefix_cache.save(request, position)
         if request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
         elif request.status == RequestStatus.RUNNING:
@@ -214,10 +216,19 @@ class Scheduler:
 
     def before_launch(self, plan: StepPlan) -> None:
         """Just before a planned step runs (its chunks still current): the state saves
-        queued since it was planned go first in its cache copies, while the slots still
-        hold those states."""
+        queued since the step before was launched go first in its cache copies, while
+        the slots still hold those states."""
         if self.prefix_cache is not None:
             self.prefix_cache.take_queued_saves(plan)
+
+    def after_launch(self, plan: StepPlan) -> None:
+        """Just after a step was launched: its chunks' effect will be in their slots
+        when the next step runs, so the states to keep at their ends are queued now (the
+        next step's copies make them, before it advances a slot again)."""
+        for chunk in plan.chunks:
+            chunk.request.num_launched_tokens = chunk.end
+            if self.prefix_cache is not None:
+                self.prefix_cache.chunk_launched(chunk)
 
     def discard(self, plan: StepPlan, dropped: list[ScheduledChunk]) -> None:
         """Chunks of `plan` that will not run (their request finished since it was
@@ -324,6 +335,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = request.num_settled_tokens = 0
         request.num_pending_tokens = 0  # an in-flight token is dropped, then recomputed
+        request.num_launched_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
