@@ -134,6 +134,7 @@ class Mamba2Mixer(nn.Module):
         self.conv1d.bias = row_sharded_parameter([inner, groups, groups]) if use_conv_bias else None
         self.dt_bias = row_sharded_parameter([per_head], fill=1.0)
         self.A_log = row_sharded_parameter([per_head])
+        self._A: torch.Tensor | None = None  # -exp(A_log), see _decay_rates
         self.D = row_sharded_parameter([per_head], fill=1.0)
         self.norm = None
         if gated_norm:
@@ -179,6 +180,13 @@ class Mamba2Mixer(nn.Module):
             snapshot_multiple=chunk_tokens(self.chunk_size),
         )
 
+    def _decay_rates(self) -> torch.Tensor:
+        """A = -exp(A_log) in float32, made at the first forward (after the weights are
+        loaded) and kept: not two kernels per layer in every step."""
+        if self._A is None:
+            self._A = -torch.exp(self.A_log.float())
+        return self._A
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: SSMState) -> torch.Tensor:
         H, P, N, G = self.num_heads, self.head_dim, self.state_size, self.n_groups
         I = self.intermediate_size  # noqa: E741
@@ -187,7 +195,7 @@ class Mamba2Mixer(nn.Module):
         if self.in_proj_scale is not None:
             zxbcdt = zxbcdt * self.in_proj_scale
         z, xbc, dt = zxbcdt.split([I, self.conv_dim, H], dim=-1)
-        A = -torch.exp(self.A_log.float())
+        A = self._decay_rates()
         conv_weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
         outs = []
         if nd > 0:
