@@ -33,6 +33,7 @@ PUBLISHED = {
     "falcon-h1-7b": ("FalconH1ForCausalLM", 7.6e9),
     "jamba-mini-1.7": ("JambaForCausalLM", 52e9),
     "granite-4.0-h-tiny": ("GraniteMoeHybridForCausalLM", 7e9),
+    "nemotron-3-nano-30b-a3b": ("NemotronHForCausalLM", 31.6e9),
 }
 
 
@@ -60,7 +61,9 @@ def test_config_builds_the_published_size(name):
     config, ours, theirs = _meta_models(name)
     assert config.architecture == arch
     count = sum(p.numel() for p in ours.parameters())
-    assert count == sum(p.numel() for p in theirs.parameters())
+    # transformers keeps Nemotron-H's score-correction biases (checkpoint tensors) as buffers.
+    biases = [b for n, b in theirs.named_buffers() if n.endswith("e_score_correction_bias")]
+    assert count == sum(p.numel() for p in theirs.parameters()) + sum(b.numel() for b in biases)
     assert count == pytest.approx(published, rel=0.02)
 
 
@@ -91,6 +94,13 @@ def test_moe_floors_read_only_the_routed_experts():
     assert costs.weights_read_bytes(8192) == pytest.approx(costs.weight_bytes)
     # The model card: 12B active parameters (of 52B), embedding and LM head included.
     assert costs.active_body_params() + 2 * costs.head_params == pytest.approx(12e9, rel=0.02)
+
+
+def test_nemotron_3_nano_activates_its_published_share():
+    config, model, _ = _meta_models("nemotron-3-nano-30b-a3b")
+    costs = model_costs(model, config.hf_config, torch.bfloat16, torch.float32, 16)
+    # NVIDIA's announcement: 3.6B active parameters with embeddings (of 31.6B).
+    assert costs.active_body_params() + 2 * costs.head_params == pytest.approx(3.6e9, rel=0.02)
 
 
 def _shrunk_bamba_folder(tmp_path: Path) -> Path:

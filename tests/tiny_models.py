@@ -279,6 +279,12 @@ def _rescale(model: torch.nn.Module, tied: bool, gen: torch.Generator) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
         else:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            # Biases that move close choices between experts, and a last expert whose
+            # score plus bias (below -2) always loses: one expert that receives no token.
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.2)
+            b[-1] = -3.0
 
 
 def make_tiny_checkpoint(path: str, family: str = "bamba", seed: int = 0, **overrides) -> str:

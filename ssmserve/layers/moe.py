@@ -4,7 +4,9 @@ the routed tokens (`ops.fused_moe`), optional shared experts see every token.
 Routing covers the families' variants: softmax or sigmoid scores, renormalised over the
 chosen experts or not, a score-correction bias that moves the choice but not the weights,
 grouped top-k (keep the `topk_groups` best of `num_groups` expert groups, then choose
-within them) and a routed scaling factor (DeepSeek-V3 / Nemotron-H style).
+within them) and a routed scaling factor (DeepSeek-V3 / Nemotron-H style). Experts may
+work in a latent space smaller than the hidden size, with a projection into it before
+them and one back after (Nemotron-H's `moe_latent_size`).
 
 Expert weights are stored fused, [E, 2I, H] (gate rows, then up rows) or [E, I, H] for
 non-gated experts, and [E, H, I] for down. Tensor parallelism splits every expert's
@@ -26,7 +28,7 @@ from torch import nn
 from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.kernels import KernelOps
 from ssmserve.kernels.moe import ACTIVATIONS
-from ssmserve.layers.linear import Segment, replicated_parameter
+from ssmserve.layers.linear import ReplicatedLinear, Segment, load_replicated, replicated_parameter
 from ssmserve.layers.mlp import MLP, GatedMLP
 
 SCORING = ("softmax", "sigmoid")
@@ -193,14 +195,17 @@ class FusedExperts(nn.Module):
 
 class Router(nn.Module):
     """`weight` [E, H] (replicated), and `e_score_correction_bias` [E] where the family
-    has one."""
+    has one, kept in float32 whatever the model dtype (as checkpoints store it): its
+    small differences decide close choices between experts."""
 
     def __init__(self, num_experts: int, hidden_size: int, correction_bias: bool) -> None:
         super().__init__()
         self.weight = replicated_parameter(num_experts, hidden_size)
-        self.e_score_correction_bias = (
-            replicated_parameter(num_experts) if correction_bias else None
-        )
+        self.e_score_correction_bias = None
+        if correction_bias:
+            bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
+            bias.weight_loader = load_replicated
+            self.e_score_correction_bias = bias
 
 
 class FusedMoE(nn.Module):
@@ -209,8 +214,12 @@ class FusedMoE(nn.Module):
     `router_in_float32` computes the router logits from float32 inputs and weight
     (Nemotron-H); otherwise they are computed in the model dtype and scored in float32.
     `shared_intermediate_size` > 0 adds `shared_experts`, an MLP every token goes
-    through (gated like the experts). `reduce_results=False` returns this rank's partial
-    sum, for a caller that adds other partial sums before one all-reduce.
+    through (gated like the experts, with biases when `shared_bias`). `latent_size` > 0
+    runs the routed experts in that smaller space: `fc1_latent_proj` maps the input into
+    it and `fc2_latent_proj` maps the experts' weighted sum back (both replicated, with
+    biases when `latent_bias`); the router and the shared experts see the input as it is.
+    `reduce_results=False` returns this rank's partial sum, for a caller that adds other
+    partial sums before one all-reduce.
     """
 
     def __init__(
@@ -227,6 +236,9 @@ class FusedMoE(nn.Module):
         correction_bias: bool = False,
         router_in_float32: bool = False,
         shared_intermediate_size: int = 0,
+        shared_bias: bool = False,
+        latent_size: int = 0,
+        latent_bias: bool = False,
         reduce_results: bool = True,
     ) -> None:
         super().__init__()
@@ -241,12 +253,22 @@ class FusedMoE(nn.Module):
         self.router_in_float32 = router_in_float32
         self.reduce_results = reduce_results
         self.router = Router(num_experts, hidden_size, correction_bias)
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, tp, gated)
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        if latent_size:
+            self.fc1_latent_proj = ReplicatedLinear(hidden_size, latent_size, latent_bias)
+            self.fc2_latent_proj = ReplicatedLinear(latent_size, hidden_size, latent_bias)
+        expert_size = latent_size or hidden_size
+        self.experts = FusedExperts(num_experts, expert_size, intermediate_size, tp, gated)
         self.shared_experts = None
         if shared_intermediate_size:
             shared = GatedMLP if gated else MLP
             self.shared_experts = shared(
-                hidden_size, shared_intermediate_size, tp, activation, reduce_results=False
+                hidden_size,
+                shared_intermediate_size,
+                tp,
+                activation,
+                bias=shared_bias,
+                reduce_results=False,
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -255,8 +277,9 @@ class FusedMoE(nn.Module):
         else:
             logits = F.linear(x, self.router.weight)
         weights, ids = select_experts(logits, self.routing, self.router.e_score_correction_bias)
+        routed_in = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
         y = self.ops.fused_moe(
-            x,
+            routed_in,
             self.experts.up_weight(),
             self.experts.down_proj,
             weights,
@@ -264,6 +287,10 @@ class FusedMoE(nn.Module):
             activation=self.activation,
             gated=self.gated,
         )
+        if self.fc2_latent_proj is not None:
+            # Linear, so it maps this rank's partial sum; the bias is added once (rank 0).
+            proj = self.fc2_latent_proj
+            y = F.linear(y, proj.weight, proj.bias if self.tp.rank == 0 else None)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return self.tp.all_reduce(y) if self.reduce_results else y

@@ -1,10 +1,15 @@
 """NemotronHForCausalLM: a stack of one-mixer residual blocks (RMSNorm -> mixer -> add),
-each a Mamba2 mixer with a grouped gated norm, attention without RoPE, or a squared-ReLU
-MLP, in the order of the config's `layers_block_type`.
+each a Mamba2 mixer with a grouped gated norm, attention without RoPE, a squared-ReLU
+MLP or a mixture of experts, in the order of the config's `layers_block_type`.
 
-A block type is a builder in `MIXERS` and the cache it declares in `_CACHE`; the MoE
-block type is refused until the shared MoE layer exists (its builder goes in `MIXERS`,
-its expert names in `name_rules`).
+The mixture of experts (NVIDIA-Nemotron-3 / Nemotron-H MoE): a float32 router with
+sigmoid scores, a score-correction bias that moves the choice but not the weights,
+grouped top-k (`n_group`, `topk_group`), weights renormalised when `norm_topk_prob` and
+times `routed_scaling_factor`; non-gated experts (up -> act -> down) and one shared
+expert MLP every token goes through; optionally the routed experts work in a latent space
+(`moe_latent_size`).
+
+A block type is a builder in `MIXERS` and the cache it declares in `_CACHE`.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ from ssmserve.layers.cache import LayerCache, LayerCacheSpec
 from ssmserve.layers.embed import VocabParallelEmbedding
 from ssmserve.layers.mamba2_mixer import Mamba2Mixer
 from ssmserve.layers.mlp import MLP
+from ssmserve.layers.moe import PLAIN_EXPERT_NAMES, ExpertCheckpointNames, FusedMoE, Routing
 from ssmserve.layers.norm import RMSNorm
-from ssmserve.models.base import QKV_RULES, CausalLM, ModelContext
+from ssmserve.models.base import QKV_RULES, CausalLM, ModelContext, NameRule
 
 
 def _mamba2(cfg, ctx: ModelContext) -> Mamba2Mixer:
@@ -66,12 +72,44 @@ def _mlp(cfg, ctx: ModelContext) -> MLP:
     )
 
 
+def moe_routing(cfg) -> Routing:
+    return Routing(
+        top_k=cfg.num_experts_per_tok,
+        scoring="sigmoid",
+        renormalize=cfg.norm_topk_prob,
+        num_groups=cfg.n_group,
+        topk_groups=cfg.topk_group,
+        routed_scaling_factor=float(cfg.routed_scaling_factor),
+    )
+
+
+def _moe(cfg, ctx: ModelContext) -> FusedMoE:
+    return FusedMoE(
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.moe_intermediate_size,
+        num_experts=cfg.n_routed_experts,
+        routing=moe_routing(cfg),
+        ops=ctx.ops,
+        tp=ctx.tp,
+        activation=cfg.mlp_hidden_act,
+        gated=False,
+        correction_bias=True,
+        router_in_float32=True,
+        # As transformers: a shared-expert size of 0 (or null) means intermediate_size.
+        shared_intermediate_size=cfg.moe_shared_expert_intermediate_size or cfg.intermediate_size,
+        shared_bias=cfg.mlp_bias,
+        latent_size=cfg.moe_latent_size or 0,
+        latent_bias=cfg.mlp_bias,
+    )
+
+
 # transformers' block type names (5.x: Mamba2 is "linear_attention", attention is
 # "full_attention"; older configs are renamed when the config loads).
 MIXERS: dict[str, Callable[..., nn.Module]] = {
     "linear_attention": _mamba2,
     "full_attention": _attention,
     "mlp": _mlp,
+    "moe": _moe,
 }
 _CACHE = {"linear_attention": "state", "full_attention": "kv"}
 
@@ -80,11 +118,6 @@ def block_types(cfg) -> list[str]:
     """The config's per-layer block types, each one this file builds, or a clear error."""
     types = list(cfg.layers_block_type)
     for i, kind in enumerate(types):
-        if kind == "moe":
-            raise ValueError(
-                f"NemotronH MoE blocks are not supported yet (layers_block_type[{i}] = 'moe'); "
-                "use a Nemotron-H checkpoint whose blocks are Mamba2, attention and MLP only"
-            )
         if kind not in MIXERS:
             raise ValueError(
                 f"layers_block_type[{i}] = {kind!r} is not a NemotronH block type; "
@@ -112,8 +145,14 @@ class NemotronHBlock(nn.Module):
         return hidden + self.mixer(x, batch, getattr(cache, self.cache_kind))
 
 
-class NemotronHForCausalLM(CausalLM):
-    name_rules = QKV_RULES
+# The checkpoint names the router `gate`; each expert's up_proj / down_proj is its own
+# tensor (`mixer.experts.N.up_proj.weight`), loaded into the fused experts.
+MOE_RULES: tuple[NameRule, ...] = ((".mixer.gate.", ".mixer.router.", None),)
+
+
+class NemotronHForCausalLM(ExpertCheckpointNames, CausalLM):
+    name_rules = QKV_RULES + MOE_RULES
+    expert_name_rules = PLAIN_EXPERT_NAMES
 
     def __init__(self, hf_config, ctx: ModelContext) -> None:
         super().__init__(hf_config, ctx)
