@@ -83,12 +83,17 @@ def snippet_prompts(tokenizer, num: int, length: int) -> list[list[int]]:
     data = resources.files("ssmserve").joinpath("model_data", "heldout_prompts.json")
     texts = [s["text"] for s in json.loads(data.read_text())["snippets"]]
     ids = [tokenizer(t).input_ids for t in texts]
+    # Snippets long enough, else (very long prompts) all of them end to end.
     ids = [t for t in ids if len(t) >= length] or [sum(ids, [])]
     prompts = []
     for i in range(num):
         source = ids[i % len(ids)]
-        start = (i // len(ids)) * length % max(len(source) - length + 1, 1)
-        prompts.append(source[start : start + length])
+        window = (i // len(ids)) % (len(source) // length)  # more prompts than snippets
+        prompts.append(source[window * length : (window + 1) * length])
+    if any(len(p) < length for p in prompts):
+        raise ValueError(
+            f"the held-out snippets hold fewer than {length} tokens; lower --prompt-len"
+        )
     return prompts
 
 
