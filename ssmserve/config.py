@@ -228,6 +228,11 @@ class EngineConfig:
         "dtype of the SSM state (float32 keeps long outputs exact; auto = the model dtype)",
         choices=STATE_DTYPES,
     )
+    mamba_ssm_stochastic_rounding: bool = _flag(
+        False,
+        "round the SSM state stochastically (unbiased) when a decode step writes it into a "
+        "16-bit mamba_ssm_cache_dtype; prefill writes round to nearest (docs/kernels.md)",
+    )
     kernel_backend: str = _flag(
         "auto",
         "auto = PyTorch reference ops on CPU; on CUDA hopper (Triton + the Gluon SSD scan) "
@@ -292,6 +297,12 @@ class EngineConfig:
             raise ValueError(
                 "prefix_checkpoint_fraction must be in [0, 1), got "
                 f"{self.prefix_checkpoint_fraction}"
+            )
+        if self.mamba_ssm_stochastic_rounding and self.mamba_ssm_cache_dtype == "float32":
+            raise ValueError(
+                "mamba_ssm_stochastic_rounding rounds writes into a 16-bit SSM state, but "
+                "mamba_ssm_cache_dtype is float32; set --mamba-ssm-cache-dtype bfloat16 or "
+                "float16, or drop --mamba-ssm-stochastic-rounding"
             )
         if self.num_prefix_checkpoints is not None and self.num_prefix_checkpoints < 0:
             raise ValueError(

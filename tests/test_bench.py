@@ -382,3 +382,40 @@ def test_long_outputs_runs_the_largest_batch_the_cache_holds(checkpoint, tmp_pat
     key = f"{rows[0]['model']}_over_{rows[1]['model']}_output_tok_s_float32"
     assert report[key] == pytest.approx(ratio)
     assert json.loads((tmp_path / "long.json").read_text())["rows"] == rows
+
+
+def test_state_precision_measures_16_bit_state_against_float32(tmp_path):
+    """benchmarks/state_precision.py on the bundled model: one row per variant, every
+    position of every sequence measured, float32 against float32 in another batch ~0,
+    and 16-bit state a real, small difference (bfloat16's 8 bits more than float16's 11)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "state_precision", ROOT / "benchmarks/state_precision.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "state_precision.json"
+    report = bench.main(
+        ["--num-tokens", "40", "--prompt-len", "8", "--num-seqs", "2", "--output", str(out)]
+        + ["--device", "cpu", "--dtype", "float32"]
+    )
+    rows = report["rows"]
+    assert [(r["state_dtype"], r["rounding"]) for r in rows] == [
+        ("float32", "nearest"),
+        ("bfloat16", "nearest"),
+        ("bfloat16", "stochastic"),
+        ("float16", "nearest"),
+        ("float16", "stochastic"),
+    ]
+    assert {r["positions"] for r in rows} == {2 * 39}
+    noise, variants = rows[0], rows[1:]
+    assert noise["max_abs_dlogprob"] < 1e-4 and noise["greedy_agreement"] == 1.0
+    for r in variants:
+        assert 0 < r["mean_abs_dlogprob"] <= r["p99_abs_dlogprob"] <= r["max_abs_dlogprob"] < 0.5
+        assert len(r["mean_abs_dlogprob_by_window"]) == bench.WINDOWS
+    by_name = {r["variant"]: r for r in rows}
+    assert by_name["bfloat16"]["mean_abs_dlogprob"] > by_name["float16"]["mean_abs_dlogprob"]
+    assert len(report["table"].splitlines()) == 2 + len(rows)
+    assert json.loads(out.read_text())["rows"] == rows
+    assert report["meta"]["command"] and report["num_tokens"] == 40

@@ -105,3 +105,29 @@ def test_prefix_caching_with_graphs_equals_uncached_eager(checkpoint, variant):
     stats = llm.stats()
     assert stats["prefix_cache_hit_tokens"] > 0
     assert stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0
+
+
+@pytest.mark.parametrize("variant", ["bamba", "mamba"])
+def test_stochastic_rounding_under_graphs_equals_eager(checkpoint, variant):
+    """The rounding noise comes from the positions the graph reads, so replays draw the
+    same noise eager steps draw (a seed frozen into the capture would not), and it is on:
+    the logprobs are not those of rounding to nearest."""
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 7, 30, 12)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=0)
+    kwargs = dict(device="cuda", dtype="float32", max_num_seqs=8, cache_memory=2**28)
+    kwargs.update(mamba_ssm_cache_dtype="bfloat16", enable_prefix_caching=False)
+    sr = dict(mamba_ssm_stochastic_rounding=True)
+    eager = LLM(checkpoint(variant), enforce_eager=True, **kwargs, **sr).generate(prompts, params)
+    graphed = LLM(checkpoint(variant), **kwargs, **sr).generate(prompts, params)
+    nearest = LLM(checkpoint(variant), **kwargs).generate(prompts, params)
+
+    def logprobs(outs):
+        return [
+            [s[t].logprob for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+            for o in outs
+        ]
+
+    assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
+    for a, b in zip(logprobs(eager), logprobs(graphed)):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3
+    assert logprobs(graphed) != logprobs(nearest)

@@ -16,6 +16,7 @@ from ssmserve.cache import CachePlan
 from ssmserve.config import EngineConfig, ModelConfig
 from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.kernels import get_ops
+from ssmserve.kernels.stochastic_rounding import rounding_key
 from ssmserve.layers.batch import ForwardBatch, StepInputs
 from ssmserve.layers.cache import LayerCache, allocate_caches, apply_cache_copies, cache_bytes
 from ssmserve.loader import init_dummy_weights, load_weights
@@ -50,6 +51,7 @@ class ModelRunner:
         self.ops = get_ops(config.kernel_backend, device)
         self.model = self._build_model(model_config)
         self.cache_specs = self.model.cache_specs()
+        self.rounding_seeds = self._rounding_seeds()
         self.caches: list[LayerCache] = []
         self.graphs = None  # DecodeGraphs, when CUDA graphs are on
 
@@ -105,6 +107,22 @@ class ModelRunner:
         )
         return budget
 
+    def _rounding_seeds(self) -> list[int | None] | None:
+        """Each layer position's stochastic rounding key (`SSMState.rounding_seed`), or
+        None when decode writes round to nearest (the option is off, or the state is
+        float32 and stores exactly)."""
+        if not self.config.mamba_ssm_stochastic_rounding:
+            return None
+        if self.state_dtype == torch.float32:
+            logger.warning(
+                "mamba_ssm_stochastic_rounding has no effect: the SSM state is float32 "
+                "(mamba_ssm_cache_dtype=auto with float32 weights)"
+            )
+            return None
+        return [
+            rounding_key(self.config.seed, i, self.tp.rank) for i in range(len(self.cache_specs))
+        ]
+
     def allocate_caches(self, num_kv_blocks: int, num_state_slots: int) -> None:
         self.caches = allocate_caches(
             self.cache_specs,
@@ -114,6 +132,7 @@ class ModelRunner:
             dtype=self.dtype,
             state_dtype=self.state_dtype,
             device=self.device,
+            rounding_seeds=self.rounding_seeds,
         )
 
     def release_caches(self) -> None:

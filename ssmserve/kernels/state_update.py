@@ -9,6 +9,11 @@ General layout: the state of one sequence is [H, P, N]. Per (h, p, n):
 Mamba2 passes dt [Bt, H] expanded to [Bt, H, P] (stride 0), A [H] expanded to
 [H, P, N], D and dt_bias [H] expanded to [H, P]. Mamba1 views its [slots, Dm, N]
 pool as H = Dm, P = 1 with G = 1.
+
+The new state is computed in float32; y reads it before it is stored. A 16-bit pool
+takes it rounded to nearest, or stochastically (`rounding_offsets`; see
+stochastic_rounding.py) with the noise of element (h, p, n) of row b drawn from
+(rounding_seed, rounding_offsets[b], (h * P + p) * N + n).
 """
 
 from __future__ import annotations
@@ -29,6 +34,15 @@ from ssmserve.kernels._common import (
     tl,
     triton,
 )
+from ssmserve.kernels.stochastic_rounding import (
+    ROUNDED_DTYPES,
+    hash32,
+    launch_seed,
+    round_to_bfloat16_stochastic,
+    round_to_float16_stochastic,
+    rounding_bits_ref,
+    stochastic_round_ref,
+)
 
 
 def _check_state_update_args(
@@ -42,6 +56,7 @@ def _check_state_update_args(
     z: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
     state_slots: torch.Tensor,
+    rounding_offsets: torch.Tensor | None,
 ) -> tuple[int, int, int, int, int]:
     check_shape("x", x, [None, None, None])
     Bt, H, P = x.shape
@@ -60,7 +75,14 @@ def _check_state_update_args(
     if dt_bias is not None:
         check_shape("dt_bias", dt_bias, [H, P])
     check_shape("state_slots", state_slots, [Bt])
+    if rounding_offsets is not None:
+        check_shape("rounding_offsets", rounding_offsets, [Bt])
     return Bt, H, P, G, N
+
+
+def _stochastic_rounding(ssm_state: torch.Tensor, rounding_offsets: torch.Tensor | None) -> bool:
+    """Whether writes into this pool round stochastically (a float32 pool stores exactly)."""
+    return rounding_offsets is not None and ssm_state.dtype in ROUNDED_DTYPES
 
 
 def selective_state_update_ref(
@@ -77,6 +99,8 @@ def selective_state_update_ref(
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, math.inf),
     state_slots: torch.Tensor,
+    rounding_offsets: torch.Tensor | None = None,
+    rounding_seed: int = 0,
 ) -> torch.Tensor:
     """One-token SSM update in PyTorch (float32 math), in place on the state pool.
 
@@ -85,11 +109,17 @@ def selective_state_update_ref(
         x, dt: [Bt, H, P]. A: [H, P, N] float32. B, C: [Bt, G, N].
         D: [H, P] or None. z: [Bt, H, P] or None. dt_bias: [H, P] or None.
         state_slots: [Bt] int; entries < 0 are padding: state untouched, output 0.
+        rounding_offsets: [Bt] int (the tokens' positions) or None. Given, a 16-bit pool
+            takes the new state stochastically rounded, with noise from (rounding_seed,
+            offset, element); None (or a float32 pool): rounded to nearest.
+        rounding_seed: the noise's 32-bit key (one per layer).
 
     Returns:
         y: [Bt, H, P] in x.dtype.
     """
-    Bt, H, P, G, N = _check_state_update_args(ssm_state, x, dt, A, B, C, D, z, dt_bias, state_slots)
+    Bt, H, P, G, N = _check_state_update_args(
+        ssm_state, x, dt, A, B, C, D, z, dt_bias, state_slots, rounding_offsets
+    )
     heads_per_group = H // G
     rows = torch.nonzero(state_slots >= 0).squeeze(1)
     slots = state_slots[rows].long()
@@ -102,7 +132,12 @@ def selective_state_update_ref(
         state * torch.exp(dt_v[..., None] * A.float())
         + (dt_v * x_v)[..., None] * B_v[:, :, None, :]
     )
-    ssm_state[slots] = state.to(ssm_state.dtype)
+    if _stochastic_rounding(ssm_state, rounding_offsets):
+        bits = rounding_bits_ref(rounding_seed, rounding_offsets[rows], H * P * N)
+        stored = stochastic_round_ref(state, ssm_state.dtype, bits.view(-1, H, P, N))
+    else:
+        stored = state.to(ssm_state.dtype)
+    ssm_state[slots] = stored
     y_v = torch.einsum("bhpn,bhn->bhp", state, C_v)
     if D is not None:
         y_v += D.float() * x_v
@@ -129,6 +164,8 @@ def _state_update_kernel(
     dt_bias_ptr,
     y_ptr,
     state_slots_ptr,
+    rounding_offsets_ptr,
+    rounding_seed,
     heads_per_group,
     P,
     N,
@@ -169,6 +206,7 @@ def _state_update_kernel(
     DT_SOFTPLUS: tl.constexpr,
     CLAMP_DT: tl.constexpr,
     TIED: tl.constexpr,
+    ROUNDING: tl.constexpr,  # 0: to nearest; stochastic, 1: to bfloat16, 2: to float16
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -237,7 +275,19 @@ def _state_update_kernel(
     ).to(tl.float32)
 
     state = state * decay + dtx[:, None] * b[None, :]
-    tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask_pn)
+    if ROUNDING == 0:
+        tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask_pn)
+    else:
+        offset = tl.load(rounding_offsets_ptr + row).to(tl.uint32)
+        row_key = hash32(hash32(offset) ^ rounding_seed.to(tl.uint32))
+        element = (head * P + offs_p[:, None]) * N + offs_n[None, :]
+        random = hash32(row_key ^ element.to(tl.uint32))
+        if ROUNDING == 1:
+            stored = round_to_bfloat16_stochastic(state, random)
+        else:
+            stored = round_to_float16_stochastic(state, random)
+        # Exact: `stored` holds a value of the pool's dtype.
+        tl.store(state_ptrs, stored.to(state_ptr.dtype.element_ty), mask=mask_pn)
 
     y = tl.sum(state * c[None, :], axis=1)
     if HAS_D:
@@ -297,15 +347,22 @@ def selective_state_update_triton(
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, math.inf),
     state_slots: torch.Tensor,
+    rounding_offsets: torch.Tensor | None = None,
+    rounding_seed: int = 0,
     config: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Triton twin of `selective_state_update_ref` (same arguments, shapes and result).
 
     When dt, A, D and dt_bias are all stride-0 over P (and A over N), as in Mamba2,
-    the kernel reads them once per head. No host sync: safe under CUDA graphs. `config`
-    overrides launch parameters (see `update_launch_config`; benchmarks and tests only).
+    the kernel reads them once per head. No host sync: safe under CUDA graphs, and with
+    stochastic rounding a replayed graph draws fresh noise each step, because the noise
+    comes from the `rounding_offsets` tensor (positions) it reads, not from a host value.
+    `config` overrides launch parameters (see `update_launch_config`; benchmarks and
+    tests only).
     """
-    Bt, H, P, G, N = _check_state_update_args(ssm_state, x, dt, A, B, C, D, z, dt_bias, state_slots)
+    Bt, H, P, G, N = _check_state_update_args(
+        ssm_state, x, dt, A, B, C, D, z, dt_bias, state_slots, rounding_offsets
+    )
     y = torch.empty(Bt, H, P, dtype=x.dtype, device=x.device)
     if Bt == 0:
         return y
@@ -320,6 +377,9 @@ def selective_state_update_triton(
     cfg = update_launch_config(P, N, config)
     block_p = cfg["block_p"]
     lo, hi = dt_limit
+    rounding = 0
+    if _stochastic_rounding(ssm_state, rounding_offsets):
+        rounding = 1 if ssm_state.dtype == torch.bfloat16 else 2
     zeros3 = (0, 0, 0)
     grid = (triton.cdiv(P, block_p), H, Bt)
     _state_update_kernel[grid](
@@ -334,6 +394,8 @@ def selective_state_update_triton(
         dt_bias,
         y,
         state_slots,
+        rounding_offsets if rounding else None,
+        launch_seed(rounding_seed),
         H // G,
         P,
         N,
@@ -355,6 +417,7 @@ def selective_state_update_triton(
         DT_SOFTPLUS=dt_softplus,
         CLAMP_DT=lo > 0.0 or hi < math.inf,
         TIED=tied,
+        ROUNDING=rounding,
         BLOCK_P=block_p,
         BLOCK_N=block_n,
         num_warps=cfg["num_warps"],

@@ -10,18 +10,22 @@ block) gets one cache per use.
 State tensors have a row per state slot and, after them, a row per prefix-caching
 checkpoint: saving and restoring a state is a row copy within each tensor
 (`apply_cache_copies`), on every rank for its own shard.
+
+How decode steps round the new SSM state into a 16-bit pool belongs to the pool too:
+`SSMState.rounding_seed` is None (to nearest) or the key of the position's stochastic
+rounding noise (`mamba_ssm_stochastic_rounding`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 if TYPE_CHECKING:
-    from ssmserve.layers.batch import CacheCopies
+    from ssmserve.layers.batch import CacheCopies, ForwardBatch
 
 
 def _elem(dtype: torch.dtype) -> int:
@@ -63,6 +67,9 @@ class KVCache(NamedTuple):
 class SSMState(NamedTuple):
     conv: torch.Tensor  # [num_rows, conv_dim, d_conv - 1]: state slots, then checkpoints
     ssm: torch.Tensor  # [num_rows, *ssm_shape]
+    # Decode writes into a 16-bit `ssm` round stochastically with this 32-bit key (one
+    # per layer position and rank); None: to nearest.
+    rounding_seed: int | None = None
 
 
 @dataclass
@@ -90,9 +97,12 @@ def allocate_caches(
     dtype: torch.dtype,
     state_dtype: torch.dtype,
     device: torch.device,
+    rounding_seeds: list[int | None] | None = None,
 ) -> list[LayerCache]:
+    """One cache per position of `specs`; `rounding_seeds` (one per position, None
+    entries or None in all: round to nearest) is each SSM position's `rounding_seed`."""
     caches = []
-    for spec in specs:
+    for i, spec in enumerate(specs):
         cache = LayerCache()
         if spec.kv is not None:
             shape = (num_kv_blocks, block_size, spec.kv.num_kv_heads, spec.kv.head_dim)
@@ -106,6 +116,7 @@ def allocate_caches(
                 torch.zeros(
                     num_state_slots, *spec.state.ssm_shape, dtype=state_dtype, device=device
                 ),
+                rounding_seeds[i] if rounding_seeds is not None else None,
             )
         caches.append(cache)
     return caches
@@ -123,8 +134,11 @@ def apply_cache_copies(caches: list[LayerCache], copies: CacheCopies) -> None:
         if sources.numel() == 0:
             continue
         for cache in caches:
-            tensors = cache.state if kind == "state" else cache.kv
-            for t in tensors or ():
+            if kind == "state":
+                tensors = (cache.state.conv, cache.state.ssm) if cache.state else ()
+            else:
+                tensors = cache.kv or ()
+            for t in tensors:
                 t.index_copy_(0, destinations, t.index_select(0, sources))
 
 
@@ -155,6 +169,18 @@ def snapshot_conv_states(
     offset = (width + t - start[:, None]).clamp(0, width - 1)[:, None, :].expand_as(earlier)
     from_state = earlier.gather(2, offset) * has_initial_state[seqs, None, None]
     conv_state[rows] = torch.where(inside[:, None, :], from_x.to(conv_state.dtype), from_state)
+
+
+def decode_rounding(batch: ForwardBatch, state: SSMState) -> dict[str, Any]:
+    """The state update's rounding keyword arguments for the batch's decode rows: with
+    stochastic rounding, each row's noise counter is its token's position, read from the
+    batch on the device (NOTE: so a replayed CUDA graph draws new noise every step)."""
+    if state.rounding_seed is None:
+        return {}
+    return {
+        "rounding_offsets": batch.positions[: batch.num_decodes],
+        "rounding_seed": state.rounding_seed,
+    }
 
 
 def scan_snapshot_args(

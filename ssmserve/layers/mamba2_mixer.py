@@ -25,6 +25,7 @@ from ssmserve.layers.batch import ForwardBatch
 from ssmserve.layers.cache import (
     SSMState,
     StateSpec,
+    decode_rounding,
     scan_snapshot_args,
     snapshot_conv_states,
 )
@@ -222,6 +223,7 @@ class Mamba2Mixer(nn.Module):
                     dt_softplus=True,
                     dt_limit=self.time_step_limit,
                     state_slots=slots,
+                    **decode_rounding(batch, cache),
                 ).reshape(nd, I)
             )
         num_prefill_tokens = x.shape[0] - nd

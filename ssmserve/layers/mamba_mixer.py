@@ -12,6 +12,7 @@ from ssmserve.layers.batch import ForwardBatch
 from ssmserve.layers.cache import (
     SSMState,
     StateSpec,
+    decode_rounding,
     scan_snapshot_args,
     snapshot_conv_states,
 )
@@ -132,6 +133,7 @@ class MambaMixer(nn.Module):
                 dt_bias=dt_bias.view(Dm, 1),
                 dt_softplus=True,
                 state_slots=slots,
+                **decode_rounding(batch, cache),
             )
             pieces.append(y.view(nd, Dm))
         if x.shape[0] > nd:
