@@ -159,6 +159,9 @@ def selective_state_update_ref(
 @lazy_jit(
     do_not_specialize=(
         "state_slots_ptr",
+        # The positions (a view into the step's packed inputs) and a key per layer.
+        "rounding_offsets_ptr",
+        "rounding_seed",
         "stride_x_b",
         "stride_dt_b",
         "stride_b_b",
