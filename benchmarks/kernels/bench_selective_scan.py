@@ -212,7 +212,7 @@ def sizes() -> None:
             for S in (1, 8):
                 inp = make_inputs(split_evenly(T, S), Dm, N, True)
                 ms = bench_ms(lambda inp=inp: call(selective_scan_varlen_triton, inp))
-                config = scan_launch_config(S, Dm, N, T, DEV)
+                config = scan_launch_config(S, Dm, N, DEV)
                 time_case(f"{name} T={T} {S} seq(s)", ms, T, S, Dm, N, model=name, config=config)
                 del inp
 
@@ -235,7 +235,7 @@ def sweep() -> None:
             except Exception as exc:  # noqa: BLE001 - e.g. out of registers
                 log(f"{label}: failed: {str(exc)[:300]}")
                 continue
-            config = scan_launch_config(S, Dm, N, SWEEP_T, DEV, override)
+            config = scan_launch_config(S, Dm, N, DEV, override)
             time_case(label, ms, SWEEP_T, S, Dm, N, config=config)
 
 

@@ -8,11 +8,13 @@ annotations); launching a kernel then raises with a message saying what to insta
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import inspect
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -64,19 +66,74 @@ class LazyKernel:
     (e.g. a test that sets the flag after another test imported this package), so we
     decorate on first use and re-decorate if the flag changes. Kernels wrapped this
     way must not call other wrapped functions: Triton would not see them as kernels.
+
+    `do_not_specialize` names the arguments Triton must not specialise (it otherwise
+    compiles a variant for an integer equal to 1 and one for multiples of 16, and one for
+    a pointer aligned to 16 bytes): every count, stride and index array that follows the
+    batch goes there, so that a new batch shape reuses the compiled kernel
+    (docs/kernels.md, "Compilation per batch shape").
     """
 
-    def __init__(self, fn: Callable[..., None]) -> None:
+    def __init__(self, fn: Callable[..., None], do_not_specialize: Sequence[str] = ()) -> None:
+        unknown = sorted(set(do_not_specialize) - set(inspect.signature(fn).parameters))
+        if unknown:
+            raise ValueError(f"{fn.__name__}: do_not_specialize names unknown arguments {unknown}")
         self.fn = fn
+        self.do_not_specialize = tuple(do_not_specialize)
         self._compiled: dict[bool, Any] = {}
+        self._binder: Callable[..., Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
         if not HAS_TRITON:
             raise RuntimeError(triton_unavailable_reason(torch.device("cuda")))
         mode = interpret_mode()
         if mode not in self._compiled:
-            self._compiled[mode] = triton.jit(self.fn)
-        return self._compiled[mode][grid]
+            self._compiled[mode] = triton.jit(self.fn, do_not_specialize=self.do_not_specialize)
+        launch = self._compiled[mode][grid]
+        if not _compile_key_records:
+            return launch
+
+        def recorded_launch(*args: Any, **kwargs: Any) -> Any:
+            key = self.compile_key(*args, **kwargs)
+            for record in _compile_key_records:
+                record.setdefault(self.name, set()).add(key)
+            return launch(*args, **kwargs)
+
+        return recorded_launch
+
+    def compile_key(self, *args: Any, **kwargs: Any) -> str:
+        """The key Triton compiles this kernel under for these launch arguments, as its
+        compiled (not interpreted) launch computes it: constexpr values, argument types,
+        the specialisations of integers (== 1, divisible by 16) and pointers (16-byte
+        aligned), and launch options. Launches with equal keys share one binary."""
+        if self._binder is None:
+            from triton.backends.compiler import BaseBackend
+            from triton.runtime.jit import JITFunction, create_function_from_signature
+
+            jit = JITFunction(self.fn, do_not_specialize=self.do_not_specialize)
+            self._binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
+        _, specialization, options = self._binder(*args, **kwargs)
+        return f"{specialization}{options}"
+
+
+_compile_key_records: list[dict[str, set[str]]] = []
+
+
+@contextlib.contextmanager
+def record_compile_keys() -> Iterator[dict[str, set[str]]]:
+    """Collect {kernel name: set of `LazyKernel.compile_key`s} of the launches inside the
+    block: the number of keys per kernel is the number of binaries Triton compiles for it
+    (tests and benchmarks; it costs a key computation per launch while active)."""
+    record: dict[str, set[str]] = {}
+    _compile_key_records.append(record)
+    try:
+        yield record
+    finally:
+        _compile_key_records.remove(record)
 
 
 def device_function(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -89,9 +146,13 @@ def device_function(fn: Callable[..., Any]) -> Callable[..., Any]:
     return triton.runtime.jit.JITFunction(fn) if HAS_TRITON else fn
 
 
-def lazy_jit(fn: Callable[..., None]) -> LazyKernel:
-    """Decorator form of `LazyKernel`."""
-    return LazyKernel(fn)
+def lazy_jit(
+    fn: Callable[..., None] | None = None, *, do_not_specialize: Sequence[str] = ()
+) -> Any:
+    """Decorator form of `LazyKernel`: `@lazy_jit` or `@lazy_jit(do_not_specialize=[...])`."""
+    if fn is None:
+        return functools.partial(LazyKernel, do_not_specialize=do_not_specialize)
+    return LazyKernel(fn, do_not_specialize)
 
 
 def next_pow2(n: int) -> int:

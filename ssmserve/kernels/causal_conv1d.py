@@ -130,7 +130,16 @@ def causal_conv1d_update_ref(
 # ---------------------------------------------------------------------------- Triton
 
 
-@lazy_jit
+@lazy_jit(
+    do_not_specialize=(
+        "cu_seqlens_ptr",
+        "state_slots_ptr",
+        "has_init_ptr",
+        "T",
+        "num_seqs",
+        "search_steps",
+    )
+)
 def _conv1d_varlen_kernel(
     x_ptr,
     weight_ptr,
@@ -143,6 +152,7 @@ def _conv1d_varlen_kernel(
     T,
     Cd,
     num_seqs,
+    search_steps,
     stride_x_t,
     stride_x_c,
     stride_w_c,
@@ -155,7 +165,6 @@ def _conv1d_varlen_kernel(
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -167,7 +176,8 @@ def _conv1d_varlen_kernel(
     mask_c = offs_c < Cd
     lo = tl.zeros([BLOCK_T], dtype=tl.int32)
     hi = tl.zeros([BLOCK_T], dtype=tl.int32) + num_seqs
-    for _ in tl.static_range(SEARCH_STEPS):  # invariant: cu[lo] <= t < cu[hi]
+    # A runtime trip count (bit length of num_seqs): one compiled kernel for every batch.
+    for _ in range(search_steps):  # invariant: cu[lo] <= t < cu[hi]
         mid = (lo + hi) // 2
         go_right = tl.load(cu_seqlens_ptr + mid, mask=mask_t, other=0) <= offs_t
         lo = tl.where(go_right & (hi - lo > 1), mid, lo)
@@ -207,7 +217,7 @@ def _conv1d_varlen_kernel(
     )
 
 
-@lazy_jit
+@lazy_jit(do_not_specialize=("cu_seqlens_ptr", "state_slots_ptr", "has_init_ptr"))
 def _conv1d_varlen_state_kernel(
     x_ptr,
     conv_state_ptr,
@@ -295,6 +305,7 @@ def causal_conv1d_varlen_triton(
             T,
             Cd,
             S,
+            max(1, S.bit_length()),
             *x.stride(),
             *weight.stride(),
             *conv_state.stride(),
@@ -302,7 +313,6 @@ def causal_conv1d_varlen_triton(
             K=K,
             HAS_BIAS=bias is not None,
             SILU=activation is not None,
-            SEARCH_STEPS=max(1, S.bit_length()),
             BLOCK_T=block_t,
             BLOCK_C=block_c,
         )
@@ -323,7 +333,7 @@ def causal_conv1d_varlen_triton(
     return y
 
 
-@lazy_jit
+@lazy_jit(do_not_specialize=("state_slots_ptr",))
 def _conv1d_update_kernel(
     x_ptr,
     conv_state_ptr,

@@ -151,7 +151,7 @@ def align_by_expert(
     return sorted_rows, block_expert
 
 
-@lazy_jit
+@lazy_jit(do_not_specialize=("num_rows",))
 def _moe_up_kernel(
     x_ptr,
     w_ptr,
@@ -221,7 +221,7 @@ def _moe_up_kernel(
     tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@lazy_jit
+@lazy_jit(do_not_specialize=("num_rows",))
 def _moe_down_kernel(
     inter_ptr,
     w_ptr,

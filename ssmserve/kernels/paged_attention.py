@@ -165,7 +165,7 @@ def paged_attention_ref(
 # ---------------------------------------------------------------------------- Triton
 
 
-@lazy_jit
+@lazy_jit(do_not_specialize=("slot_mapping_ptr",))
 def _write_kv_kernel(
     k_ptr,
     v_ptr,
@@ -265,12 +265,25 @@ def write_kv_cache_triton(
 # Prefill: programs are numbered so that sequence s owns ids from
 # (qsl[s] - qsl[first]) // BLOCK_Q + (s - first) on; that numbering is strictly increasing
 # in s, so a binary search maps a program to its sequence with no host-side metadata.
-# Decode (SEARCH_STEPS = 0): program id = sequence, and the context may be split over
-# NUM_SPLITS programs (flash-decoding), each writing a normalised partial output and its
-# log2-sum-exp; `_merge_splits_kernel` combines them.
+# Decode (SEARCH_SEQS false): program id = sequence, and the context may be split over
+# num_splits programs (flash-decoding, SPLIT_KV), each writing a normalised partial output
+# and its log2-sum-exp; `_merge_splits_kernel` combines them. Counts that follow the batch
+# (sequences, search steps, splits, the block table's width) are runtime values, so one
+# compiled kernel per path serves every batch.
 
 
-@lazy_jit
+@lazy_jit(
+    do_not_specialize=(
+        "block_tables_ptr",
+        "query_start_loc_ptr",
+        "seq_lens_ptr",
+        "first_seq",
+        "num_seqs",
+        "search_steps",
+        "num_splits",
+        "stride_bt_s",
+    )
+)
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -284,6 +297,8 @@ def _paged_attention_kernel(
     qk_scale,
     first_seq,
     num_seqs,
+    search_steps,
+    num_splits,
     Dh,
     block_size,
     window,
@@ -305,8 +320,8 @@ def _paged_attention_kernel(
     stride_bt_b,
     HEADS_PER_KV: tl.constexpr,
     BLOCK_Q: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
+    SEARCH_SEQS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -317,11 +332,11 @@ def _paged_attention_kernel(
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if SEARCH_STEPS > 0:
+    if SEARCH_SEQS:
         base = tl.load(query_start_loc_ptr + first_seq)
         lo = 0
         hi = num_seqs
-        for _ in tl.static_range(SEARCH_STEPS):  # invariant: first id of lo <= pid
+        for _ in range(search_steps):  # invariant: first id of lo <= pid
             mid = (lo + hi) // 2
             first_id = (tl.load(query_start_loc_ptr + first_seq + mid) - base) // BLOCK_Q + mid
             go_right = (first_id <= pid) & (hi - lo > 1)
@@ -361,10 +376,10 @@ def _paged_attention_kernel(
     if HAS_WINDOW:
         kv_lo = tl.maximum(seq_len - q_len + m_block * BLOCK_Q - window + 1, 0)
         kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
-    if NUM_SPLITS > 1:
+    if SPLIT_KV:
         # Whole tiles per split; a split past the end of a short sequence is empty.
         tiles = tl.cdiv(tl.maximum(kv_hi - kv_lo, 0), BLOCK_N)
-        split_len = tl.cdiv(tiles, NUM_SPLITS) * BLOCK_N
+        split_len = tl.cdiv(tiles, num_splits) * BLOCK_N
         kv_lo = kv_lo + split * split_len
         kv_hi = tl.minimum(kv_hi, kv_lo + split_len)
 
@@ -436,7 +451,7 @@ def _paged_attention_kernel(
             m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     mask_out = mask_m[:, None] & mask_d[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT_KV:
         tl.store(
             out_ptr
             + (q_start + q_idx)[:, None] * stride_o_t
@@ -446,33 +461,33 @@ def _paged_attention_kernel(
             mask=mask_out,
         )
     else:
-        # Partials are [seqs, H, NUM_SPLITS, BLOCK_D] and [seqs, H, NUM_SPLITS], contiguous.
-        part = (seq * (HEADS_PER_KV * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        # Partials are [seqs, H, num_splits, BLOCK_D] and [seqs, H, num_splits], contiguous.
+        part = (seq * (HEADS_PER_KV * tl.num_programs(1)) + head) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :], out, mask=mask_out)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), -float("inf"))
         tl.store(part_lse_ptr + part, lse, mask=mask_m)
 
 
-@lazy_jit
+@lazy_jit(do_not_specialize=("query_start_loc_ptr", "num_splits"))
 def _merge_splits_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
     query_start_loc_ptr,
+    num_splits,
     Dh,
     stride_o_t,
     stride_o_h,
     stride_o_d,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    part = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS
+    part = (seq * tl.num_programs(1) + head).to(tl.int64) * num_splits
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < NUM_SPLITS
+    mask_s = offs_s < num_splits
     lse = tl.load(part_lse_ptr + part + offs_s, mask=mask_s, other=-float("inf"))
     m = tl.max(lse, axis=0)
     weight = tl.exp2(lse - tl.where(m == -float("inf"), 0.0, m))  # 0 for empty splits
@@ -490,6 +505,9 @@ def _merge_splits_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=offs_d < Dh,
     )
+
+
+_MAX_SPLITS = 64  # context splits per (sequence, KV head) the decode default goes up to
 
 
 def decode_launch_config(
@@ -519,7 +537,7 @@ def decode_launch_config(
     # The interpreter has no SMs; a small stand-in lets CPU tests reach the split path.
     sms = num_sms(device) if device.type == "cuda" else 2
     num_splits = max(1, 4 * sms // max(1, num_seqs * KVH))
-    num_splits = min(num_splits, 64, max(1, -(-max_context // (2 * block_n))))
+    num_splits = min(num_splits, _MAX_SPLITS, max(1, -(-max_context // (2 * block_n))))
     default = {
         "block_m": block_m,
         "block_n": block_n,
@@ -641,10 +659,12 @@ def paged_attention_triton(
             *args,
             0,
             num_decodes,
+            0,
+            splits,
             *strides,
             BLOCK_Q=1,
-            NUM_SPLITS=splits,
-            SEARCH_STEPS=0,
+            SPLIT_KV=splits > 1,
+            SEARCH_SEQS=False,
             BLOCK_M=cfg["block_m"],
             BLOCK_N=cfg["block_n"],
             num_warps=cfg["num_warps"],
@@ -657,10 +677,11 @@ def paged_attention_triton(
                 part_out,
                 part_lse,
                 query_start_loc,
+                splits,
                 Dh,
                 *out.stride(),
-                NUM_SPLITS=splits,
-                BLOCK_S=next_pow2(splits),
+                # The splits' cap (a fixed tile, not one per split count), or above it.
+                BLOCK_S=max(_MAX_SPLITS, next_pow2(splits)),
                 BLOCK_D=block_d,
             )
     num_prefills = S - num_decodes
@@ -678,10 +699,12 @@ def paged_attention_triton(
             *args,
             num_decodes,
             num_prefills,
+            num_prefills.bit_length(),
+            1,
             *strides,
             BLOCK_Q=cfg["block_q"],
-            NUM_SPLITS=1,
-            SEARCH_STEPS=num_prefills.bit_length(),
+            SPLIT_KV=False,
+            SEARCH_SEQS=True,
             BLOCK_M=cfg["block_m"],
             BLOCK_N=cfg["block_n"],
             num_warps=cfg["num_warps"],

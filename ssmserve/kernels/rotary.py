@@ -58,7 +58,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> 
 # ---------------------------------------------------------------------------- Triton
 
 
-@lazy_jit
+@lazy_jit(do_not_specialize=("pos_ptr",))
 def _rotary_kernel(
     x_ptr,
     y_ptr,

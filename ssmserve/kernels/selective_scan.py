@@ -167,7 +167,16 @@ def _first_order_combine(decay_1, value_1, decay_2, value_2):
     return decay_1 * decay_2, decay_2 * value_1 + value_2
 
 
-@lazy_jit
+@lazy_jit(
+    do_not_specialize=(
+        "cu_seqlens_ptr",
+        "state_slots_ptr",
+        "has_init_ptr",
+        "snapshot_first_ptr",
+        "snapshot_lens_ptr",
+        "snapshot_slots_ptr",
+    )
+)
 def _selective_scan_kernel(
     u_ptr,
     delta_ptr,
@@ -357,15 +366,15 @@ def scan_launch_config(
     S: int,
     Dm: int,
     N: int,
-    T: int,
     device: torch.device,
     config: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Launch parameters for S sequences, T tokens, Dm channels and N state entries,
-    `config` overriding the defaults (benchmarks/kernels/bench_selective_scan.py sweeps
-    them).
+    """Launch parameters for S sequences, Dm channels and N state entries, `config`
+    overriding the defaults (benchmarks/kernels/bench_selective_scan.py sweeps them).
 
-    block_t: tokens per scan block (registers grow with it).
+    block_t: tokens per scan block (registers grow with it). Not cut down to short
+        calls: its two defaults are the kernel's only variants over batch shapes (a
+        short call masks the rest of its one block).
     n_inner: state entries spread over lanes; the other N / n_inner stay in registers.
     block_d: channels per program; a warp spans 32 // n_inner of them, so the default
         gives every thread one channel.
@@ -385,7 +394,7 @@ def scan_launch_config(
     few_programs = device.type == "cuda" and S * triton.cdiv(Dm, 32) < 4 * num_sms(device)
     num_warps = 2 if few_programs else 4
     default = {
-        "block_t": min(16 if few_programs else 8, next_pow2(T)),
+        "block_t": 16 if few_programs else 8,
         "block_d": min(32 // n_inner * num_warps, next_pow2(Dm)),
         "n_inner": n_inner,
         "num_warps": num_warps,
@@ -437,7 +446,7 @@ def selective_scan_varlen_triton(
         # Sequence s's snapshots are entries snapshot_first[s]:snapshot_first[s + 1].
         bounds = torch.arange(S + 1, device=u.device, dtype=snapshot_seqs.dtype)
         snapshot_first = torch.searchsorted(snapshot_seqs, bounds).to(torch.int32)
-    cfg = scan_launch_config(S, Dm, N, T, u.device, config)
+    cfg = scan_launch_config(S, Dm, N, u.device, config)
     if cfg["float_bc"]:
         B, C = B.float(), C.float()
     grid = (triton.cdiv(Dm, cfg["block_d"]), S)

@@ -235,7 +235,16 @@ def ssd_scan_varlen_ref(
 # depend on device values; ids past the real chunks belong to no sequence and do nothing.
 
 
-@lazy_jit
+@lazy_jit(
+    do_not_specialize=(
+        "cu_seqlens_ptr",
+        "start_pos_ptr",
+        "chunk_start_ptr",
+        "chunk_len_ptr",
+        "chunk_seq_ptr",
+        "num_seqs",
+    )
+)
 def _ssd_chunk_cumsum_kernel(
     dt_ptr,
     A_ptr,
@@ -267,31 +276,41 @@ def _ssd_chunk_cumsum_kernel(
     # Which sequence owns this chunk id, without a search: sequence s owns chunk ids
     # [first_chunk[s], first_chunk[s] + max(1, cdiv(offset_s + len_s, CHUNK))), where
     # offset_s is its first token's absolute position mod CHUNK (its first chunk is
-    # shortened by that much, so the others align); at most one sequence matches.
-    offs_s = tl.arange(0, BLOCK_SEQ)
-    mask_s = offs_s < num_seqs
-    seq_start = tl.load(cu_seqlens_ptr + offs_s, mask=mask_s, other=0).to(tl.int32)
-    seq_end = tl.load(cu_seqlens_ptr + offs_s + 1, mask=mask_s, other=0).to(tl.int32)
-    if HAS_START_POS:
-        offset = (tl.load(start_pos_ptr + offs_s, mask=mask_s, other=0) % CHUNK).to(tl.int32)
-    else:
-        offset = tl.zeros((BLOCK_SEQ,), dtype=tl.int32)
-    num_chunks = tl.maximum((offset + seq_end - seq_start + CHUNK - 1) // CHUNK, 1)
-    num_chunks = tl.where(mask_s, num_chunks, 0)
-    last_chunk = tl.cumsum(num_chunks, 0)
-    first_chunk = last_chunk - num_chunks
-    owner = (first_chunk <= chunk) & (chunk < last_chunk)
-    k = chunk - first_chunk  # index of this chunk within its sequence
-    start = tl.sum(tl.where(owner, seq_start + tl.maximum(k * CHUNK - offset, 0), 0), 0)
-    end = tl.sum(tl.where(owner, tl.minimum(seq_end, seq_start + (k + 1) * CHUNK - offset), 0), 0)
+    # shortened by that much, so the others align); at most one sequence matches. The
+    # sequences are walked BLOCK_SEQ at a time (a fixed block, so that one compiled
+    # kernel serves every number of sequences), carrying the chunks counted so far.
+    first_program = (chunk == 0) & (pid_h == 0)
+    start = 0
+    end = 0
+    seq = -1
+    chunks_before = 0
+    for s0 in range(0, num_seqs, BLOCK_SEQ):
+        offs_s = s0 + tl.arange(0, BLOCK_SEQ)
+        mask_s = offs_s < num_seqs
+        seq_start = tl.load(cu_seqlens_ptr + offs_s, mask=mask_s, other=0).to(tl.int32)
+        seq_end = tl.load(cu_seqlens_ptr + offs_s + 1, mask=mask_s, other=0).to(tl.int32)
+        if HAS_START_POS:
+            offset = (tl.load(start_pos_ptr + offs_s, mask=mask_s, other=0) % CHUNK).to(tl.int32)
+        else:
+            offset = tl.zeros((BLOCK_SEQ,), dtype=tl.int32)
+        num_chunks = tl.maximum((offset + seq_end - seq_start + CHUNK - 1) // CHUNK, 1)
+        num_chunks = tl.where(mask_s, num_chunks, 0)
+        last_chunk = chunks_before + tl.cumsum(num_chunks, 0)
+        first_chunk = last_chunk - num_chunks
+        owner = (first_chunk <= chunk) & (chunk < last_chunk)
+        k = chunk - first_chunk  # index of this chunk within its sequence
+        start += tl.sum(tl.where(owner, seq_start + tl.maximum(k * CHUNK - offset, 0), 0), 0)
+        end += tl.sum(
+            tl.where(owner, tl.minimum(seq_end, seq_start + (k + 1) * CHUNK - offset), 0), 0
+        )
+        seq = tl.maximum(seq, tl.max(tl.where(owner, offs_s, -1), 0))
+        tl.store(seq_first_chunk_ptr + offs_s, first_chunk, mask=mask_s & first_program)
+        chunks_before += tl.sum(num_chunks, 0)
     length = tl.maximum(end - start, 0)
-    seq = tl.max(tl.where(owner, offs_s, -1), 0)
     tl.store(chunk_start_ptr + chunk, start, mask=pid_h == 0)
     tl.store(chunk_len_ptr + chunk, length, mask=pid_h == 0)
     tl.store(chunk_seq_ptr + chunk, seq, mask=pid_h == 0)
-    first_program = (chunk == 0) & (pid_h == 0)
-    tl.store(seq_first_chunk_ptr + offs_s, first_chunk, mask=mask_s & first_program)
-    tl.store(seq_first_chunk_ptr + num_seqs, tl.sum(num_chunks, 0), mask=first_program)
+    tl.store(seq_first_chunk_ptr + num_seqs, chunks_before, mask=first_program)
 
     offs_l = tl.arange(0, CHUNK)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -318,7 +337,7 @@ def _ssd_chunk_cumsum_kernel(
     tl.store(cum_out_ptr + out, cum, mask=mask_h[None, :])
 
 
-@lazy_jit
+@lazy_jit(do_not_specialize=("chunk_start_ptr", "chunk_len_ptr"))
 def _ssd_chunk_cb_kernel(
     B_ptr,
     C_ptr,
@@ -378,7 +397,17 @@ def _ssd_chunk_cb_kernel(
         )
 
 
-@lazy_jit
+@lazy_jit(
+    do_not_specialize=(
+        "chunk_start_ptr",
+        "chunk_len_ptr",
+        "chunk_seq_ptr",
+        "seq_first_chunk_ptr",
+        "state_slots_ptr",
+        "has_init_ptr",
+        "snapshot_row_ptr",
+    )
+)
 def _ssd_chunk_scan_kernel(
     x_ptr,
     B_ptr,
@@ -693,6 +722,11 @@ def _dot_config(dtype: torch.dtype) -> dict[str, Any]:
     return dict(dot=tl.float16, precision="tf32", state_dot=tl.float32, state_precision="tf32")
 
 
+# Sequences per step of the chunk-metadata kernel's walk over them: one step for batches
+# of up to 64 sequences, a few for the largest.
+_CUMSUM_BLOCK_SEQ = 64
+
+
 def _chunk_layout(
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -746,7 +780,7 @@ def _chunk_layout(
         HAS_START_POS=start_positions is not None,
         CHUNK=chunk,
         BLOCK_H=block_h,
-        BLOCK_SEQ=next_pow2(S + 1),
+        BLOCK_SEQ=_CUMSUM_BLOCK_SEQ,
     )
     return dict(
         chunk_start=meta[0],

@@ -59,8 +59,8 @@ else:  # definitions only; hopper_scan_usable() is False and nothing launches
     class gl:  # noqa: N801 - stands in for the module
         constexpr = staticmethod(lambda v: v)
 
-    def jit(fn):
-        return fn
+    def jit(fn=None, **options):
+        return fn if fn is not None else (lambda f: f)
 
 
 CHUNK_TOKENS = 256  # the chunking of ssd_scan.py's metadata this kernel reads
@@ -397,7 +397,20 @@ def _outputs_odd(descs, bufs, bars, ptrs, scal):
     _outputs(descs, bufs, bars, ptrs, scal, 1)
 
 
-@jit
+# Counts and index arrays that follow the batch are not specialised: one compiled kernel
+# for every batch (the descriptors' keys hold only their block shapes and layouts).
+@jit(
+    do_not_specialize=(
+        "chunk_start_ptr",
+        "chunk_len_ptr",
+        "chunk_seq_ptr",
+        "seq_first_chunk_ptr",
+        "num_seqs",
+        "state_slots_ptr",
+        "has_init_ptr",
+        "snapshot_row_ptr",
+    )
+)
 def _ssd_scan_hopper_kernel(
     x_desc,
     b_desc,

@@ -151,7 +151,25 @@ def selective_state_update_ref(
 # ---------------------------------------------------------------------------- Triton
 
 
-@lazy_jit
+# Not specialised: the slots (a view into the step's packed indices) and the batch
+# strides, which a one-row batch changes (torch gives a one-row view contiguous strides:
+# x.view(1, H, P) of a [1, conv_dim] slice has stride H * P, not conv_dim). A row's
+# vectors (x, B, C, y) come to at most one element per thread at the default launch, so
+# no vector width is lost.
+@lazy_jit(
+    do_not_specialize=(
+        "state_slots_ptr",
+        # The positions (a view into the step's packed inputs) and a key per layer.
+        "rounding_offsets_ptr",
+        "rounding_seed",
+        "stride_x_b",
+        "stride_dt_b",
+        "stride_b_b",
+        "stride_c_b",
+        "stride_z_b",
+        "stride_y_b",
+    )
+)
 def _state_update_kernel(
     state_ptr,
     x_ptr,

@@ -147,7 +147,7 @@ def test_launch_parameters_override_defaults_and_are_validated():
     with pytest.raises(ValueError, match="power of two"):
         update_launch_config(64, 128, {"block_p": 3})
     with pytest.raises(ValueError, match="bool"):
-        selective_scan_launch_config(1, 64, 16, 100, torch.device("cpu"), {"float_bc": 1})
+        selective_scan_launch_config(1, 64, 16, torch.device("cpu"), {"float_bc": 1})
     with pytest.raises(ValueError, match="query heads per KV head"):
         decode_launch_config(4, 8, 32, 128, 4096, torch.device("cpu"), {"block_m": 16})
     assert prefill_launch_config(4, 128, {"block_m": 64})["block_q"] == 16

@@ -170,11 +170,14 @@ def test_start_positions_match_twin():
     )
 
 
-def test_chunks_align_to_absolute_positions():
+@pytest.mark.parametrize("block_seq", [ssd_scan._CUMSUM_BLOCK_SEQ, 4])
+def test_chunks_align_to_absolute_positions(block_seq, monkeypatch):
     """DESIGN: a resumed prefill's first chunk is shortened so later chunks stay aligned;
-    the chunks of each sequence tile it exactly."""
-    chunk = 16
+    the chunks of each sequence tile it exactly. Also with the metadata kernel walking the
+    sequences 4 at a time (more than one block, the last one partial)."""
+    monkeypatch.setattr(ssd_scan, "_CUMSUM_BLOCK_SEQ", block_seq)
     lengths, positions = [7, 37, 0, 1, 30, 16], [5, 16, 3, 31, 40, 8]
+    chunk = 16
     T, H = sum(lengths), 2
     cu = cu_seqlens_of(lengths).to(DEVICE)
     layout = ssd_scan._chunk_layout(
@@ -223,3 +226,14 @@ def test_snapshots_at_chunk_boundaries_match_twin():
         snapshot_lens=lens,
         snapshot_slots=rows,
     )
+
+
+def test_sequences_walked_in_blocks_match_twin(monkeypatch):
+    """The metadata kernel walking the sequences 4 at a time (9 sequences: three blocks,
+    some sequences empty or resumed) gives the scan of one walk."""
+    monkeypatch.setattr(ssd_scan, "_CUMSUM_BLOCK_SEQ", 4)
+    lengths, slots = [7, 0, 19, 1, 4, 0, 16, 3, 9], [8, 0, 7, 1, 6, 2, 5, 3, 4]
+    positions = torch.tensor([5, 0, 16, 31, 2, 7, 8, 0, 40], device=DEVICE)
+    inits = [True, False, True, True, False, True, False, False, True]
+    inp = make_inputs(lengths, 2, 5, 1, 6, num_slots=9, seed=10, with_dz=False)
+    compare(inp, lengths, slots, inits, chunk_size=16, start_positions=positions)
