@@ -22,6 +22,7 @@ import pytest
 
 from ssmserve import LLM, SamplingParams
 from ssmserve.distributed.executor import WorkerFailedError
+from ssmserve.layers.batch import sampled_rows_read
 from tests.server.conftest import free_port
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -98,8 +99,19 @@ def test_tp_equals_tp1_with_chunking_preemption_sampling_and_abort(tp_checkpoint
     # hold four sequences at once, so attention models preempt and recompute.
     kv = dict(num_kv_blocks=10, block_size=4) if family in ("bamba", "llama") else {}
     llm = LLM(path, device="cpu", tensor_parallel_size=tp, max_num_batched_tokens=3, **kv)
+    executor = llm.llm_engine.executor
+    execute, filled = executor.execute, []
+
+    def spy(packed, tokens=None):
+        filled.append(sampled_rows_read(packed) > 0)
+        return execute(packed, tokens)
+
+    executor.execute = spy
     try:
         assert_same(ref, llm.generate(PROMPTS, GREEDY), name)
+        # Steps were launched before the tokens of the one before came back: their inputs
+        # came from rank 0's sampled ids, broadcast to the other ranks.
+        assert any(filled)
         if kv:
             assert llm.stats()["num_preemptions"] > 0
         assert_same(ref_sampled, llm.generate(PROMPTS[:2], sampled), name + " sampled")

@@ -7,7 +7,9 @@ ranks. It starts the other ranks as worker processes itself (or joins ranks star
 keeps the scheduler, sampler and detokenizer, workers run the model and nothing else.
 
 Each step rank 0 sends every worker the packed step tensor (`StepInputs.pack`) over a
-gloo group, point to point, so it never waits for a busy worker; each stage receives the
+gloo group, point to point, so it never waits for a busy worker (under tensor
+parallelism alone, input tokens still being sampled follow as a device broadcast of the
+sampled ids of the step before, see `LLMEngine.step`); each stage receives the
 previous stage's hidden state, runs its layers and sends the result on (NCCL between
 GPUs, gloo on CPU), and the last stage's first rank sends the logits back to rank 0.
 Stages handle steps in the order they were sent, so several steps (micro-batches of
@@ -38,6 +40,7 @@ import torch.distributed as dist
 from ssmserve.config import EngineConfig, ModelConfig
 from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.distributed.pipeline import stage_layers
+from ssmserve.layers.batch import sampled_rows_read
 
 logger = logging.getLogger(__name__)
 
@@ -193,8 +196,10 @@ class DistributedExecutor:
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         self.world = tp * pp
         self.depth = pp
-        # Workers get a step's input tokens from the packed step only (no fills).
-        self.fills_tokens = False
+        # Tensor parallel alone: a step's fills read the sampled ids of the step before,
+        # which rank 0 broadcasts to the other ranks on the device (`execute`). Under
+        # pipeline parallelism steps of different requests overlap instead.
+        self.fills_tokens = pp == 1
         self.stages = [r // tp for r in range(self.world)]
         self.vocab_size = model_config.vocab_size
         self._procs: list[subprocess.Popen] = []
@@ -264,11 +269,18 @@ class DistributedExecutor:
         except (RuntimeError, dist.DistBackendError) as exc:
             self._raise(exc)
 
-    def execute(self, packed: torch.Tensor) -> Logits:
+    def execute(self, packed: torch.Tensor, tokens: torch.Tensor | None = None) -> Logits:
+        """Run a packed step on every rank. `tokens`: the step before's sampled ids on
+        this device, which the step's fills read; broadcast to the tensor-parallel ranks
+        in stream order (no host copy)."""
         self._check()
         try:
             self._send_all(torch.tensor([_STEP, packed.numel()]), packed)
-            out = self.runner.execute(packed)
+            needed = sampled_rows_read(packed)
+            if needed:
+                tokens = tokens[:needed].contiguous()
+                dist.broadcast(tokens, 0, group=self.layout.tp.group)
+            out = self.runner.execute(packed, tokens=tokens)
             if self.layout.pp_size == 1:
                 return Logits(out)
             for t in out.values():
@@ -372,12 +384,17 @@ def run_worker(
         cmd, n = _recv(2, torch.long, layout.control).tolist()
         if cmd == _STEP:
             packed = _recv(n, torch.long, layout.control)
+            tokens = None
+            needed = sampled_rows_read(packed)
+            if needed:  # the step before's sampled ids, from rank 0 (tensor parallel)
+                tokens = torch.empty(needed, dtype=torch.long, device=runner.device)
+                dist.broadcast(tokens, 0, group=layout.tp.group)
             received = None
             if layout.stage > 0:
                 received = runner.intermediate_buffers(int(packed[0]))
                 for t in received.values():
                     dist.recv(t, rank - tp)
-            out = runner.execute(packed, received)
+            out = runner.execute(packed, received, tokens)
             if not layout.is_last_stage:
                 for t in out.values():
                     dist.send(t.contiguous(), rank + tp)

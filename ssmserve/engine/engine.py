@@ -357,10 +357,11 @@ class LLMEngine:
         the device runs step n, taking n+1's new input tokens from n's sampled ids on
         the device, and reads n's results and builds its outputs while n+1 runs: each
         call returns the outputs of the step before, and the device never waits for the
-        host between steps. (Under tensor or pipeline parallelism, where workers get
-        their tokens from the host, n+1 is planned while n runs and launched once n's
-        tokens are back.) Without it, each call runs one step start to finish. Both give
-        every request the same output.
+        host between steps (under tensor parallelism rank 0 broadcasts those ids to the
+        other ranks on the device). Under pipeline parallelism, several steps of
+        different requests are in flight instead: n+1 is planned while n runs and
+        launched once n's tokens are back. Without it, each call runs one step start to
+        finish. Every order gives every request the same output.
 
         Raises RequestFailedError (with the other outputs) when some requests failed in
         their own bookkeeping; the engine stays usable. Any other exception is fatal.

@@ -150,6 +150,13 @@ class StepInputs:
         return torch.frombuffer(out, dtype=torch.long)
 
 
+def sampled_rows_read(packed: torch.Tensor) -> int:
+    """How many of the step before's sampled ids a packed step's fills read (the rows
+    named are below this); 0 when it has no fills. `packed` on the host."""
+    num_fills = int(packed[HEADER_LEN - 1])
+    return int(packed[-num_fills:].max()) + 1 if num_fills else 0
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
