@@ -419,3 +419,32 @@ def test_state_precision_measures_16_bit_state_against_float32(tmp_path):
     assert len(report["table"].splitlines()) == 2 + len(rows)
     assert json.loads(out.read_text())["rows"] == rows
     assert report["meta"]["command"] and report["num_tokens"] == 40
+
+
+def test_decode_profile_times_a_built_decode_step_without_prefilling(checkpoint, tmp_path):
+    """benchmarks/decode_profile.py: a decode step of `batch` requests at `context` tokens,
+    built from the engine's pools, runs through the engine's model runner; the report has
+    the shape asked for, its bytes and FLOPs, a time per step, and a per-op breakdown that
+    adds up to its busy time."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "decode_profile", ROOT / "benchmarks/decode_profile.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "profile.json"
+    report = bench.main(
+        ["--model", checkpoint("bamba"), "--batch-size", "3", "--context", "21", "--iters", "2"]
+        + ["--profile", "--profile-iters", "1", "--device", "cpu", "--dtype", "float32"]
+        + ["--cache-memory", str(24 * 2**20), "--json", str(out)]
+    )
+    assert json.loads(out.read_text())["step_ms"] == report["step_ms"] > 0
+    assert (report["batch_size"], report["context"], report["graph"]) == (3, 21, False)
+    assert report["bytes"] > 0 and report["flops"] > 0
+    kernels = report["kernels"]
+    assert (
+        kernels
+        and abs(sum(k["us"] for k in kernels) - report["busy_us"]) < 1e-6 * report["busy_us"] + 1e-9
+    )
+    assert any(k["kernel"] == "aten::mm" for k in kernels)

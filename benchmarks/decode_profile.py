@@ -1,0 +1,173 @@
+"""One decode step at any batch and context, timed and broken down by kernel, in seconds.
+
+A decode step's cost depends on the batch, the context each request has (the K/V it
+reads) and the state each carries, not on what the tokens are. So instead of prefilling
+`--batch-size` prompts of `--context` tokens (minutes at 484 x 5k on an H200), this builds
+the step directly: every request gets a state slot and the KV blocks of `--context`
+tokens from the engine's own pools (whatever they hold: random weights make every value
+equally meaningless), and the step is the packed decode the engine would launch
+(`StepInputs`, one token per request at position `--context`). It is run through the
+engine's model runner as the engine runs it (a CUDA graph where one is captured), timed
+over `--iters` runs, and with `--profile` broken down per kernel (torch.profiler, over
+`--profile-iters` runs), next to the step's floor (bytes it must move over the device's
+copy bandwidth, or FLOPs over its matrix rate, whichever is larger).
+
+    PYTHONPATH=$PWD python benchmarks/decode_profile.py --model benchmarks/configs/bamba-9b \\
+        --load-format dummy --batch-size 484 --context 5120 --profile \\
+        --json benchmarks/results/decode_profile_<date>_h200_bamba9b_b484_5k.json
+
+It measures the forward (and the LM head) only: no sampling, no host work between steps.
+The engine's own step at the same shape is what benchmarks/long_outputs.py times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ssmserve.bench.common import fmt, markdown_table, run_metadata, write_json
+from ssmserve.bench.floors import device_peaks, engine_costs, floor_s
+from ssmserve.config import EngineConfig, add_engine_args
+from ssmserve.engine.engine import LLMEngine
+from ssmserve.layers.batch import ForwardBatch, StepInputs
+
+
+def decode_step(engine: LLMEngine, batch: int, context: int) -> torch.Tensor:
+    """The packed decode step of `batch` requests at `context` tokens each, with slots and
+    blocks taken from the engine's pools (never given back: the engine is for this only)."""
+    block_size = engine.config.block_size
+    inputs = StepInputs(logits_indices=list(range(batch)), num_decodes=batch)
+    for i in range(batch):
+        blocks: list[int] = []
+        if engine.block_pool is not None:
+            blocks = engine.block_pool.allocate(engine.block_pool.blocks_for(context + 1))
+            if blocks is None:
+                raise SystemExit(
+                    f"the KV cache holds fewer than {batch} requests of {context + 1} tokens "
+                    f"(ran out at request {i}); lower --batch-size or --context"
+                )
+        slot = engine.state_pool.allocate() if engine.state_pool is not None else None
+        inputs.add_sequence([1 + i % 100], context, blocks, block_size, slot)
+    return inputs.pack()
+
+
+def kernel_table(run, iters: int, device: torch.device) -> tuple[list[dict[str, Any]], float]:
+    """Per kernel name: launches and microseconds per step over `iters` steps (device time
+    on CUDA, CPU time of each op on the CPU); and the step's busy time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for _ in range(iters):
+            run()
+        if cuda:
+            torch.cuda.synchronize(device)
+    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for event in prof.key_averages():
+        us = event.device_time_total if cuda else event.self_cpu_time_total
+        if us <= 0 or (cuda and event.device_type != torch.autograd.DeviceType.CUDA):
+            continue
+        entry = totals[event.key[:80]]
+        entry[0] += event.count
+        entry[1] += us
+    busy = sum(us for _, us in totals.values()) / iters
+    rows = [
+        {"kernel": name, "launches": count / iters, "us": us / iters, "share": us / iters / busy}
+        for name, (count, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])
+    ]
+    return rows, busy
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="model (default: the bundled one)")
+    parser.add_argument("--batch-size", type=int, default=1, help="requests in the step (1)")
+    parser.add_argument("--context", type=int, default=2048, help="tokens each has (2048)")
+    parser.add_argument("--iters", type=int, default=20, help="timed steps (20)")
+    parser.add_argument("--profile", action="store_true", help="per-kernel breakdown")
+    parser.add_argument("--profile-iters", type=int, default=5, help="profiled steps (5)")
+    parser.add_argument("--top", type=int, default=20, help="kernels listed (20)")
+    parser.add_argument("--json", default=None, help="write the report here")
+    add_engine_args(parser)  # --max-num-seqs and --max-model-len follow the shape
+    args = parser.parse_args(argv)
+    if args.batch_size < 1 or args.context < 1 or args.iters < 1 or args.profile_iters < 1:
+        parser.error("--batch-size, --context, --iters and --profile-iters must be positive")
+    if args.tensor_parallel_size * args.pipeline_parallel_size != 1:
+        parser.error("decode_profile.py runs one device (tensor and pipeline size 1)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    config = EngineConfig.from_args(
+        args,
+        max_num_seqs=args.batch_size,
+        max_model_len=args.context + 1,
+        enable_prefix_caching=False,
+    )
+    engine = LLMEngine(config)
+    runner, device = engine.executor.runner, engine.device
+    packed = decode_step(engine, args.batch_size, args.context)
+
+    def run() -> None:
+        runner.execute(packed)
+
+    for _ in range(3):
+        run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(args.iters):
+        run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    step_s = (time.perf_counter() - start) / args.iters
+    costs = engine_costs(engine)
+    peaks = device_peaks(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+    step_bytes = costs.decode_step_bytes(args.batch_size, args.context)
+    step_flops = costs.decode_step_flops(args.batch_size, args.context)
+    floor = floor_s(peaks, step_bytes, step_flops)
+    report: dict[str, Any] = {
+        "meta": run_metadata(os.environ.get("SSMSERVE_COMMIT"), device),
+        "model": engine.model_name,
+        "batch_size": args.batch_size,
+        "context": args.context,
+        "state_dtype": config.mamba_ssm_cache_dtype,
+        "graph": runner.graphs is not None
+        and runner.graphs.can_run(ForwardBatch.from_packed(packed, device)),
+        "step_ms": 1e3 * step_s,
+        "floor_ms": None if floor is None else 1e3 * floor,
+        "bytes": step_bytes,
+        "flops": step_flops,
+    }
+    print(
+        f"{engine.model_name}: batch {args.batch_size} at {args.context} tokens, "
+        f"{'graph replay' if report['graph'] else 'eager'}: {1e3 * step_s:.3f} ms/step"
+        + ("" if floor is None else f", floor {1e3 * floor:.3f} ms ({step_s / floor:.2f}x)")
+    )
+    if args.profile:
+        rows, busy = kernel_table(run, args.profile_iters, device)
+        report["kernels"] = rows
+        report["busy_us"] = busy
+        what = "kernels" if device.type == "cuda" else "ops"
+        print(f"busy {busy / 1e3:.3f} ms/step in {sum(r['launches'] for r in rows):.0f} {what}")
+        body = [
+            [r["kernel"], fmt(r["launches"], 1), fmt(r["us"], 1), f"{100 * r['share']:.1f}%"]
+            for r in rows[: args.top]
+        ]
+        print(markdown_table(["kernel", "per step", "us/step", "share"], body))
+    if args.json:
+        write_json(args.json, report)
+    engine.shutdown()
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
