@@ -26,6 +26,7 @@ _OPS: dict[str, tuple[str, str]] = {
     "causal_conv1d_varlen": ("causal_conv1d", "causal_conv1d_varlen"),
     "causal_conv1d_update": ("causal_conv1d", "causal_conv1d_update"),
     "gated_rms_norm": ("gated_rms_norm", "gated_rms_norm"),
+    "add_rms_norm": ("gated_rms_norm", "add_rms_norm"),
     "rotary_embedding": ("rotary", "rotary_embedding"),
     "act_and_mul": ("activation", "act_and_mul"),
     "write_kv_cache": ("paged_attention", "write_kv_cache"),
@@ -54,6 +55,7 @@ class KernelOps:
     causal_conv1d_varlen: Callable[..., torch.Tensor]
     causal_conv1d_update: Callable[..., torch.Tensor]
     gated_rms_norm: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     act_and_mul: Callable[..., torch.Tensor]
     write_kv_cache: Callable[..., None]

@@ -5,6 +5,10 @@ norm_before_gate=True:                    y = weight * rmsnorm(x) * silu(z)
 
 rmsnorm normalises each group of `group_size` consecutive channels (the whole row
 when None) in float32.
+
+`add_rms_norm` is the pre-norm residual step of Mamba-style blocks in one pass: the
+residual stream takes the previous block's output, and the next block's RMSNorm reads
+the sum, rounded as the unfused code rounds it.
 """
 
 from __future__ import annotations
@@ -142,3 +146,95 @@ def gated_rms_norm_triton(
         num_warps=min(16, max(1, block // 256)),
     )
     return y
+
+
+# ---------------------------------------------------------------------------- add + norm
+
+
+def _check_add_norm_args(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
+) -> tuple[int, int]:
+    check_shape("x", x, [None, None])
+    T, H = x.shape
+    check_shape("residual", residual, [T, H])
+    check_shape("weight", weight, [H])
+    return T, H
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(s.to(weight.dtype)), s) for s = residual + x in residual's dtype.
+
+    The same values as `s = residual + x` followed by the RMSNorm of `s` cast to the
+    weight's dtype (float32 statistics; the normalised value rounded to that dtype
+    before the weight multiply), as Hugging Face's Mamba and Mamba2 blocks compute it.
+    x: [T, H] (a block's output); residual: [T, H]; weight: [H].
+    """
+    _check_add_norm_args(x, residual, weight)
+    s = residual + x
+    if s.dtype != residual.dtype:
+        s = s.to(residual.dtype)
+    h = s.to(weight.dtype).float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(weight.dtype), s
+
+
+@lazy_jit
+def _add_rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    y_ptr,
+    sum_ptr,
+    hidden,
+    eps,
+    stride_x_t,
+    stride_r_t,
+    stride_y_t,
+    stride_s_t,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    x = tl.load(x_ptr + row * stride_x_t + offs, mask=mask, other=0.0)
+    r = tl.load(residual_ptr + row * stride_r_t + offs, mask=mask, other=0.0)
+    s = (r.to(tl.float32) + x.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+    tl.store(sum_ptr + row * stride_s_t + offs, s, mask=mask)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    h = s.to(w.dtype).to(tl.float32)
+    h = h / tl.sqrt(tl.sum(h * h, axis=0) / hidden + eps)
+    out = w.to(tl.float32) * h.to(w.dtype).to(tl.float32)
+    tl.store(y_ptr + row * stride_y_t + offs, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `add_rms_norm_ref` (same arguments, shapes and result): one kernel
+    instead of the add, the cast and the norm."""
+    T, H = _check_add_norm_args(x, residual, weight)
+    s = torch.empty_like(residual)
+    y = torch.empty(T, H, dtype=weight.dtype, device=x.device)
+    if T == 0:
+        return y, s
+    if x.stride(1) != 1 or residual.stride(1) != 1:
+        x, residual = x.contiguous(), residual.contiguous()
+    block = next_pow2(H)
+    _add_rms_norm_kernel[(T,)](
+        x,
+        residual,
+        weight,
+        y,
+        s,
+        H,
+        float(eps),
+        x.stride(0),
+        residual.stride(0),
+        y.stride(0),
+        s.stride(0),
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
+    )
+    return y, s

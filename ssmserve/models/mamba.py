@@ -70,8 +70,29 @@ class MambaStyleLM(CausalLM):
         return self.backbone.norm_f
 
     def forward(self, batch: ForwardBatch, caches: list[LayerCache], received=None):
-        out = super().forward(batch, caches, received)
-        return out.to(self.lm_head.weight.dtype) if isinstance(out, torch.Tensor) else out
+        """CausalLM.forward with each block's residual add fused into the next block's
+        norm (`add_rms_norm`: one kernel for the add, the cast and the norm); the same
+        roundings as the blocks' own forward."""
+        stage = self.stage
+        hidden = (
+            self.input_embeddings()(batch.input_ids) if received is None else received["hidden"]
+        )
+        layers = self.decoder_layers()
+        residual, out = hidden, None
+        for i in stage.layers:
+            block = layers[i]
+            if out is None:  # the stage's first block
+                x = block.norm(hidden.to(block.norm.weight.dtype))
+                residual = hidden.float() if block.residual_in_fp32 else hidden
+            else:
+                x, residual = self.ctx.ops.add_rms_norm(
+                    out, residual, block.norm.weight, eps=block.norm.eps
+                )
+            out = block.mixer(x, batch, caches[i].state)
+        hidden = residual + out if out is not None else residual
+        if not stage.is_last:
+            return {"hidden": hidden}
+        return self.final_norm()(hidden).to(self.lm_head.weight.dtype)
 
     @property
     def residual_dtype(self) -> torch.dtype:

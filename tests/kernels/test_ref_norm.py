@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from kernel_testing import assert_close, randn, seeded
 
-from ssmserve.kernels.gated_rms_norm import gated_rms_norm_ref
+from ssmserve.kernels.gated_rms_norm import add_rms_norm_ref, gated_rms_norm_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -50,3 +50,25 @@ def test_grouped_matches_naive(group_size, norm_before_gate):
 def test_group_size_must_divide():
     with pytest.raises(ValueError, match="group_size"):
         gated_rms_norm_ref(torch.ones(2, 10), torch.ones(10), eps=1e-5, group_size=4)
+
+
+@pytest.mark.parametrize(
+    ("residual_dtype", "dtype"),
+    [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32,) * 2],
+)
+def test_add_rms_norm_equals_the_add_then_hf_mamba2_norm(residual_dtype, dtype):
+    """Bit for bit what a Mamba2 block does: residual + output (in the residual's dtype),
+    then the next block's RMSNorm of the sum cast to the weight dtype."""
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2RMSNorm
+
+    gen = seeded(3)
+    out = randn(6, 40, gen=gen, dtype=dtype)
+    residual = randn(6, 40, gen=gen, dtype=residual_dtype) * 4
+    hf = Mamba2RMSNorm(40, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(randn(40, gen=gen))
+        total = residual + out
+        expected = hf(total.to(dtype))
+    y, s = add_rms_norm_ref(out, residual, hf.weight.detach(), eps=1e-5)
+    assert s.dtype == residual_dtype and torch.equal(s, total)
+    assert y.dtype == dtype and torch.equal(y, expected)

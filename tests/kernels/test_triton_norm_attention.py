@@ -8,7 +8,12 @@ from kernel_testing import assert_close, randn, seeded
 from test_ref_paged_attention import build_case
 from triton_testing import DEVICE, requires_triton
 
-from ssmserve.kernels.gated_rms_norm import gated_rms_norm_ref, gated_rms_norm_triton
+from ssmserve.kernels.gated_rms_norm import (
+    add_rms_norm_ref,
+    add_rms_norm_triton,
+    gated_rms_norm_ref,
+    gated_rms_norm_triton,
+)
 from ssmserve.kernels.paged_attention import (
     paged_attention_ref,
     paged_attention_triton,
@@ -31,6 +36,22 @@ def test_gated_rms_norm_matches_twin(dtype, group_size, gate):
     args = [t.to(DEVICE) for t in (x, w)]
     y_ref = gated_rms_norm_ref(*args, None if zz is None else zz.to(DEVICE), **kw)
     y = gated_rms_norm_triton(*args, None if zz is None else zz.to(DEVICE), **kw)
+    assert_close(y, y_ref)
+
+
+@pytest.mark.parametrize(
+    ("residual_dtype", "dtype"), [(torch.float32, torch.bfloat16), (torch.float32,) * 2]
+)
+@pytest.mark.parametrize("hidden", [40, 64])
+def test_add_rms_norm_matches_twin(residual_dtype, dtype, hidden):
+    gen = seeded(4)
+    out = randn(5, hidden, gen=gen, dtype=dtype).to(DEVICE)
+    residual = (randn(5, hidden, gen=gen, dtype=residual_dtype) * 4).to(DEVICE)
+    w = randn(hidden, gen=gen, dtype=dtype).to(DEVICE)
+    y_ref, s_ref = add_rms_norm_ref(out, residual, w, eps=1e-5)
+    y, s = add_rms_norm_triton(out, residual, w, eps=1e-5)
+    assert s.dtype == residual_dtype and torch.equal(s, s_ref)
+    assert y.dtype == dtype
     assert_close(y, y_ref)
 
 
