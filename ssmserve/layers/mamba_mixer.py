@@ -84,6 +84,7 @@ class MambaMixer(nn.Module):
         self.dt_proj = ColumnParallelLinear(time_step_rank, [channels], bias=True)
         self.A_log = row_sharded_parameter([channels], state_size)
         self._A: torch.Tensor | None = None  # -exp(A_log), see _decay_rates
+        self._dt_bias: torch.Tensor | None = None
         self.D = row_sharded_parameter([channels], fill=1.0)
         self.out_proj = RowParallelLinear(
             intermediate_size, hidden_size, tp, use_bias, columns=channels
@@ -95,20 +96,20 @@ class MambaMixer(nn.Module):
             (self.intermediate_size, self.state_size),
         )
 
-    def _decay_rates(self) -> torch.Tensor:
-        """A = -exp(A_log) in float32, made at the first forward (after the weights are
-        loaded) and kept: not two kernels per layer in every step."""
+    def _decay_rates(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A = -exp(A_log) and the dt bias, in float32, made at the first forward (after
+        the weights are loaded) and kept: not three kernels per layer in every step."""
         if self._A is None:
             self._A = -torch.exp(self.A_log.float())
-        return self._A
+            self._dt_bias = self.dt_proj.bias.float()
+        return self._A, self._dt_bias
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: SSMState) -> torch.Tensor:
         Dm, N = self.intermediate_size, self.state_size
         nd = batch.num_decodes
         xs, z = self.in_proj(x).split([Dm, Dm], dim=-1)
         conv_weight = self.conv1d.weight.view(Dm, self.conv_kernel)
-        A = self._decay_rates()
-        dt_bias = self.dt_proj.bias.float()
+        A, dt_bias = self._decay_rates()
         pieces = []
         if nd > 0:
             slots = batch.state_slots[:nd]
