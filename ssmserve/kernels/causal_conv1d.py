@@ -367,6 +367,14 @@ def _conv1d_update_kernel(
     mask_ck = mask_c[:, None] & mask_k[None, :] & valid
     state_row = conv_state_ptr + slot * stride_s_slot + offs_c[:, None] * stride_s_c
     window = tl.load(state_row + offs_k[None, :] * stride_s_k, mask=mask_ck, other=0.0)
+    # The window shifted left by one, loaded now beside the window (both wait only on
+    # the slot) rather than after the output store, which the compiler cannot move a
+    # load above (y and the state could alias for all it knows).
+    shifted = tl.load(
+        state_row + (offs_k + 1)[None, :] * stride_s_k,
+        mask=mask_ck & (offs_k < KM1 - 1)[None, :],
+        other=0.0,
+    )
     x = tl.load(x_ptr + row * stride_x_b + offs_c * stride_x_c, mask=mask_c, other=0.0)
     w = tl.load(
         weight_ptr + offs_c[:, None] * stride_w_c + offs_k[None, :] * stride_w_k,
@@ -385,11 +393,6 @@ def _conv1d_update_kernel(
         y_ptr + row * stride_y_b + offs_c * stride_y_c, acc.to(y_ptr.dtype.element_ty), mask=mask_c
     )
     # Shift left by one and append x.
-    shifted = tl.load(
-        state_row + (offs_k + 1)[None, :] * stride_s_k,
-        mask=mask_ck & (offs_k < KM1 - 1)[None, :],
-        other=0.0,
-    )
     shifted = tl.where((offs_k == KM1 - 1)[None, :], x.to(shifted.dtype)[:, None], shifted)
     # NOTE: column k+1 is read by the thread writing column k+1's neighbour.
     tl.debug_barrier()
