@@ -473,10 +473,7 @@ class LLMEngine:
         if ahead_of is not None and ahead_of.pending is not None:
             pending_rows, tokens = ahead_of.row_of, ahead_of.pending.token_ids
         inputs = step_inputs(chunks, rows, self.config.block_size, plan.cache_ops, pending_rows)
-        if inputs.fills:
-            step.logits = self.executor.execute(inputs.pack(), tokens)
-        else:
-            step.logits = self.executor.execute(inputs.pack())
+        step.logits = self.executor.execute(inputs.pack(), tokens if inputs.fills else None)
         self.scheduler.after_launch(plan)
         if self.executor.depth == 1:
             self._sample(step)  # queued behind the forward; results come back in _collect

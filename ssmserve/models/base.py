@@ -110,12 +110,19 @@ class CausalLM(nn.Module):
         hidden = (
             self.input_embeddings()(batch.input_ids) if received is None else received["hidden"]
         )
-        layers = self.decoder_layers()
-        for i in stage.layers:
-            hidden = layers[i](hidden, batch, caches[i])
+        hidden = self.run_layers(hidden, batch, caches)
         if not stage.is_last:
             return {"hidden": hidden}
         return self.final_norm()(hidden)
+
+    def run_layers(
+        self, hidden: torch.Tensor, batch: ForwardBatch, caches: list[LayerCache]
+    ) -> torch.Tensor:
+        """This stage's decoder blocks over `hidden`, in order."""
+        layers = self.decoder_layers()
+        for i in self.stage.layers:
+            hidden = layers[i](hidden, batch, caches[i])
+        return hidden
 
     def intermediate_spec(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Shapes and dtypes of what a stage sends the next one."""

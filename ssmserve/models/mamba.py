@@ -21,7 +21,8 @@ from ssmserve.models.base import CausalLM, ModelContext
 
 
 class ResidualMixerBlock(nn.Module):
-    """norm -> mixer -> + residual, as HF's Mamba/Mamba2 blocks do."""
+    """norm -> mixer -> + residual, as HF's Mamba/Mamba2 blocks do (the model runs the
+    blocks together: `MambaStyleLM.run_layers`)."""
 
     def __init__(self, cfg, mixer: nn.Module, ops: KernelOps) -> None:
         super().__init__()
@@ -31,12 +32,6 @@ class ResidualMixerBlock(nn.Module):
 
     def cache_spec(self) -> LayerCacheSpec:
         return LayerCacheSpec(state=self.mixer.cache_spec())
-
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
-        # NOTE: HF adds the residual inside each block (in float32 when residual_in_fp32)
-        # and feeds the sum on; keep exactly that order of rounding.
-        res = hidden.float() if self.residual_in_fp32 else hidden
-        return res + self.mixer(self.norm(hidden.to(self.norm.weight.dtype)), batch, cache.state)
 
 
 class MambaStyleLM(CausalLM):
@@ -70,16 +65,19 @@ class MambaStyleLM(CausalLM):
         return self.backbone.norm_f
 
     def forward(self, batch: ForwardBatch, caches: list[LayerCache], received=None):
-        """CausalLM.forward with each block's residual add fused into the next block's
-        norm (`add_rms_norm`: one kernel for the add, the cast and the norm); the same
-        roundings as the blocks' own forward."""
-        stage = self.stage
-        hidden = (
-            self.input_embeddings()(batch.input_ids) if received is None else received["hidden"]
-        )
+        out = super().forward(batch, caches, received)
+        return out.to(self.lm_head.weight.dtype) if isinstance(out, torch.Tensor) else out
+
+    def run_layers(
+        self, hidden: torch.Tensor, batch: ForwardBatch, caches: list[LayerCache]
+    ) -> torch.Tensor:
+        """The blocks as HF runs them, each adding the residual (in float32 when
+        residual_in_fp32) and feeding the sum on, with the same roundings; each add is
+        fused into the next block's norm (`add_rms_norm`: one kernel for the add, the
+        cast and the norm)."""
         layers = self.decoder_layers()
         residual, out = hidden, None
-        for i in stage.layers:
+        for i in self.stage.layers:
             block = layers[i]
             if out is None:  # the stage's first block
                 x = block.norm(hidden.to(block.norm.weight.dtype))
@@ -89,10 +87,7 @@ class MambaStyleLM(CausalLM):
                     out, residual, block.norm.weight, eps=block.norm.eps
                 )
             out = block.mixer(x, batch, caches[i].state)
-        hidden = residual + out if out is not None else residual
-        if not stage.is_last:
-            return {"hidden": hidden}
-        return self.final_norm()(hidden).to(self.lm_head.weight.dtype)
+        return residual + out if out is not None else residual
 
     @property
     def residual_dtype(self) -> torch.dtype:
