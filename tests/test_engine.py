@@ -301,3 +301,30 @@ def test_a_stop_string_completed_by_the_last_allowed_token_still_stops(checkpoin
     assert got.token_ids == free.outputs[0].token_ids
     assert got.finish_reason == "stop" and got.stop_reason == stop
     assert got.text == text[: len(text) - len(stop)]
+
+
+
+def test_startup_objects_are_frozen_and_engines_dropped_later_are_still_collected(checkpoint):
+    """Objects alive when an engine is built are kept out of the cyclic collector (its
+    full collections stall the step loop); an engine that was alive then (so frozen)
+    and dropped later, in a reference cycle, is still collected when the next engine is
+    built; shutdown releases the frozen set."""
+    import gc
+    import weakref
+
+    def engine() -> LLMEngine:
+        return LLMEngine(EngineConfig(model=checkpoint("mamba2"), device="cpu", dtype="float32"))
+
+    first = engine()
+    first.cycle = first  # garbage only the cyclic collector can free
+    second = engine()  # freezes `first` with everything else alive
+    assert gc.get_freeze_count() > 0
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    assert gone() is not None  # frozen: a collection alone does not free it
+    third = engine()
+    assert gone() is None, "an engine frozen while alive leaked after it was dropped"
+    second.shutdown()
+    assert gc.get_freeze_count() == 0
+    third.shutdown()

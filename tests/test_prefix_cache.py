@@ -80,6 +80,15 @@ def test_common_prefix_length():
     assert common_prefix_length([], [1]) == 0
     long = list(range(1000))
     assert common_prefix_length(long, long[:700] + [-1]) == 700
+    # Against a token-by-token walk, across the 64-token runs the search compares.
+    rng = random.Random(0)
+    for _ in range(2000):
+        a = [rng.randrange(2) for _ in range(rng.choice([1, 63, 64, 65, 129, 700]))]
+        b = a[: rng.randrange(len(a) + 1)] + [rng.randrange(2) for _ in range(rng.randrange(70))]
+        walk = 0
+        while walk < min(len(a), len(b)) and a[walk] == b[walk]:
+            walk += 1
+        assert common_prefix_length(a, b) == walk
 
 
 # -- content-addressed blocks ------------------------------------------------------------

@@ -104,14 +104,22 @@ def _common_prefix(edge: list[int], tokens: list[int], start: int, end: int) -> 
     n = end - start
     if edge[:n] == tokens[start:end]:
         return n
-    lo, hi = 0, n  # edge[:lo] matches, edge[:hi] does not
+    # Whole runs of _RUN tokens while they match (each a C-speed slice comparison), then
+    # bisection inside the first run that differs: linear in the shared length.
+    lo = 0
+    while lo + _RUN <= n and edge[lo : lo + _RUN] == tokens[start + lo : start + lo + _RUN]:
+        lo += _RUN
+    hi = min(lo + _RUN, n)  # edge[:lo] matches, edge[:hi] does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if edge[:mid] == tokens[start : start + mid]:
+        if edge[lo:mid] == tokens[start + lo : start + mid]:
             lo = mid
         else:
             hi = mid
     return lo
+
+
+_RUN = 64
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:

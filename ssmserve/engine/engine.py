@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import math
 import os
@@ -65,6 +66,17 @@ class RequestFailedError(RuntimeError):
         self.outputs = outputs
 
 
+def _freeze_startup_objects() -> None:
+    """Keep the objects that exist before an engine is built (hundreds of thousands from
+    the imported libraries alone) out of Python's cyclic collector: each full collection
+    stops the step loop for as long as it takes to walk every tracked object, and these
+    never die. Whatever an earlier freeze kept is released first, so an engine dropped
+    since is collected; `shutdown` releases them too."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,6 +118,7 @@ class LLMEngine:
     thread (the async server engine runs it in its own thread)."""
 
     def __init__(self, config: EngineConfig) -> None:
+        _freeze_startup_objects()
         self.config = config
         path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_hf(path, config.max_model_len)
@@ -234,6 +247,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop tensor-parallel workers and free the caches; the engine is unusable after."""
         self.executor.shutdown()
+        gc.unfreeze()
 
     # -- requests ---------------------------------------------------------------------
 

@@ -292,11 +292,21 @@ class Scheduler:
         if not self.prefix_cache.can_hit:
             return False
         current = hit.position if hit is not None else 0
+        tokens = request.all_token_ids
+        # A wait pays only if `other` shares tokens[:current + MIN_WAIT_GAIN] (the reach
+        # never passes the common prefix): comparing that window first skips the full
+        # comparison for nearly every pair (many requests on one system prompt).
+        last = current + MIN_WAIT_GAIN
+        if last > len(tokens) - 1:
+            return False
+        window = tokens[current:last]
         for other in self.running:
             end = other.num_tokens - 1
-            if other.num_settled_tokens >= end:
+            if other.num_settled_tokens >= end or end < last:
                 continue
-            reach = self.prefix_cache.potential_hit(request.all_token_ids, other.all_token_ids, end)
+            if other.all_token_ids[current:last] != window:
+                continue
+            reach = self.prefix_cache.potential_hit(tokens, other.all_token_ids, end)
             if reach - current >= MIN_WAIT_GAIN and other.num_settled_tokens < reach:
                 return True
         return False
