@@ -303,7 +303,6 @@ def test_a_stop_string_completed_by_the_last_allowed_token_still_stops(checkpoin
     assert got.text == text[: len(text) - len(stop)]
 
 
-
 def test_startup_objects_are_frozen_and_engines_dropped_later_are_still_collected(checkpoint):
     """Objects alive when an engine is built are kept out of the cyclic collector (its
     full collections stall the step loop); an engine that was alive then (so frozen)
