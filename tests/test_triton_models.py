@@ -37,6 +37,18 @@ CASES = {
 }
 
 
+def assert_same_greedy_outputs(ref, got) -> None:
+    """The same tokens, and each token's logprob within 1e-4."""
+    for a, b in zip(ref, got, strict=True):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        assert ta == tb
+        for i, t in enumerate(ta):
+            assert (
+                abs(a.outputs[0].logprobs[i][t].logprob - b.outputs[0].logprobs[i][t].logprob)
+                < 1e-4
+            )
+
+
 @pytest.mark.parametrize("variant", list(CASES))
 def test_triton_backend_matches_torch_backend(checkpoint, variant):
     prompts, max_tokens = CASES[variant]
@@ -47,14 +59,7 @@ def test_triton_backend_matches_torch_backend(checkpoint, variant):
     llm = LLM(path, kernel_backend="triton", max_num_batched_tokens=5, **common)
     assert llm.llm_engine.executor.runner.cache_specs
     got = llm.generate(prompts, params)
-    for a, b in zip(ref, got):
-        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        assert ta == tb
-        for i, t in enumerate(ta):
-            assert (
-                abs(a.outputs[0].logprobs[i][t].logprob - b.outputs[0].logprobs[i][t].logprob)
-                < 1e-4
-            )
+    assert_same_greedy_outputs(ref, got)
 
 
 @pytest.mark.parametrize("variant", ["bamba", "llama_mqa_tied"])
@@ -75,11 +80,4 @@ def test_decode_gemv_matches_f_linear(checkpoint, variant):
     with record_compile_keys() as keys:
         got = LLM(path, decode_gemv="triton", **common).generate(prompts, params)
     assert "_gemv_kernel" in keys, "the GEMV never ran"
-    for a, b in zip(ref, got):
-        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        assert ta == tb
-        for i, t in enumerate(ta):
-            assert (
-                abs(a.outputs[0].logprobs[i][t].logprob - b.outputs[0].logprobs[i][t].logprob)
-                < 1e-4
-            )
+    assert_same_greedy_outputs(ref, got)

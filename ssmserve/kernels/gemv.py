@@ -251,6 +251,8 @@ def gemv_triton(
         return out.zero_() if bias is None else out.copy_(bias.expand(M, N))
     if x.stride(1) != 1:
         x = x.contiguous()
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
     cfg = gemv_launch_config(N, K, M, x.dtype, x.device, config)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
     k_tiles = -(-K // block_k)
