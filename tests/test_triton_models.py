@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ssmserve import LLM, SamplingParams
+from ssmserve.kernels._common import record_compile_keys
 from tests.triton_interpreter import interpreter_mode
 
 pytest.importorskip("triton", reason="triton is not installed")
@@ -36,6 +37,18 @@ CASES = {
 }
 
 
+def assert_same_greedy_outputs(ref, got) -> None:
+    """The same tokens, and each token's logprob within 1e-4."""
+    for a, b in zip(ref, got, strict=True):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        assert ta == tb
+        for i, t in enumerate(ta):
+            assert (
+                abs(a.outputs[0].logprobs[i][t].logprob - b.outputs[0].logprobs[i][t].logprob)
+                < 1e-4
+            )
+
+
 @pytest.mark.parametrize("variant", list(CASES))
 def test_triton_backend_matches_torch_backend(checkpoint, variant):
     prompts, max_tokens = CASES[variant]
@@ -46,11 +59,25 @@ def test_triton_backend_matches_torch_backend(checkpoint, variant):
     llm = LLM(path, kernel_backend="triton", max_num_batched_tokens=5, **common)
     assert llm.llm_engine.executor.runner.cache_specs
     got = llm.generate(prompts, params)
-    for a, b in zip(ref, got):
-        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        assert ta == tb
-        for i, t in enumerate(ta):
-            assert (
-                abs(a.outputs[0].logprobs[i][t].logprob - b.outputs[0].logprobs[i][t].logprob)
-                < 1e-4
-            )
+    assert_same_greedy_outputs(ref, got)
+
+
+@pytest.mark.parametrize("variant", ["bamba", "llama_mqa_tied"])
+def test_decode_gemv_matches_f_linear(checkpoint, variant):
+    """decode_gemv="triton": the linears' decode-sized inputs (and the LM head's) run on the
+    Triton GEMV, with the same greedy tokens and logprobs as F.linear."""
+    prompts, max_tokens = CASES[variant]
+    path = checkpoint(variant)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
+    common = dict(
+        device=DEVICE,
+        dtype="float32",
+        enforce_eager=True,
+        cache_memory=2**28,
+        kernel_backend="triton",
+    )
+    ref = LLM(path, **common).generate(prompts, params)
+    with record_compile_keys() as keys:
+        got = LLM(path, decode_gemv="triton", **common).generate(prompts, params)
+    assert "_gemv_kernel" in keys, "the GEMV never ran"
+    assert_same_greedy_outputs(ref, got)

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ssmserve.distributed.parallel import TensorParallel
+from ssmserve.kernels import KernelOps
+from ssmserve.layers.linear import decode_gemv, linear
 
 
 def _load_vocab_rows(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None) -> None:
@@ -55,7 +57,8 @@ class ParallelLMHead(nn.Module):
     """Logits over the whole vocabulary: each rank computes its block, then all-gather.
 
     With tied embeddings pass the embedding: the head shares its (identically sharded)
-    weight parameter, so `named_parameters()` lists it once, under the embedding.
+    weight parameter, so `named_parameters()` lists it once, under the embedding. `ops`:
+    see linear.decode_gemv.
     """
 
     def __init__(
@@ -64,13 +67,15 @@ class ParallelLMHead(nn.Module):
         hidden_size: int,
         tp: TensorParallel,
         tied: VocabParallelEmbedding | None = None,
+        ops: KernelOps | None = None,
     ) -> None:
         super().__init__()
+        self.gemv = decode_gemv(ops)
         self.tp = tp
         self.vocab_size = vocab_size
         source = tied if tied is not None else VocabParallelEmbedding(vocab_size, hidden_size, tp)
         self.weight = source.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather(linear(hidden, self.weight, None, self.gemv))
         return logits if logits.shape[-1] == self.vocab_size else logits[:, : self.vocab_size]

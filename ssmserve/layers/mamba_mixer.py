@@ -74,20 +74,20 @@ class MambaMixer(nn.Module):
             self.dt_layernorm = RMSNorm(time_step_rank, bcdt_rms_eps, ops=ops)
             self.b_layernorm = RMSNorm(state_size, bcdt_rms_eps, ops=ops)
             self.c_layernorm = RMSNorm(state_size, bcdt_rms_eps, ops=ops)
-        self.in_proj = ColumnParallelLinear(hidden_size, [channels, channels], use_bias)
+        self.in_proj = ColumnParallelLinear(hidden_size, [channels, channels], use_bias, ops)
         self.conv1d = nn.Module()
         self.conv1d.weight = row_sharded_parameter([channels], 1, conv_kernel)
         self.conv1d.bias = row_sharded_parameter([channels]) if use_conv_bias else None
         self.x_proj = RowParallelLinear(
-            intermediate_size, time_step_rank + 2 * state_size, tp, columns=channels
+            intermediate_size, time_step_rank + 2 * state_size, tp, columns=channels, ops=ops
         )
-        self.dt_proj = ColumnParallelLinear(time_step_rank, [channels], bias=True)
+        self.dt_proj = ColumnParallelLinear(time_step_rank, [channels], bias=True, ops=ops)
         self.A_log = row_sharded_parameter([channels], state_size)
         self._A: torch.Tensor | None = None  # -exp(A_log), see _decay_rates
         self._dt_bias: torch.Tensor | None = None
         self.D = row_sharded_parameter([channels], fill=1.0)
         self.out_proj = RowParallelLinear(
-            intermediate_size, hidden_size, tp, use_bias, columns=channels
+            intermediate_size, hidden_size, tp, use_bias, columns=channels, ops=ops
         )
 
     def cache_spec(self) -> StateSpec:

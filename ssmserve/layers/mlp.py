@@ -31,7 +31,7 @@ class GatedMLP(nn.Module):
         self.fused_act = ops.act_and_mul if ops is not None and act in ACTIVATIONS else None
         self.act_name = act
         self.gate_up_proj = ColumnParallelLinear.even(
-            hidden_size, [intermediate_size, intermediate_size], tp, bias
+            hidden_size, [intermediate_size, intermediate_size], tp, bias, ops
         )
         self.down_proj = RowParallelLinear(
             intermediate_size,
@@ -40,6 +40,7 @@ class GatedMLP(nn.Module):
             bias,
             columns=Segment.even(intermediate_size, tp),
             reduce_results=reduce_results,
+            ops=ops,
         )
         self.act = ACT2FN[act]
 
@@ -56,7 +57,8 @@ class GatedMLP(nn.Module):
 
 
 class MLP(nn.Module):
-    """up -> act -> down (Nemotron-H's squared-ReLU MLP)."""
+    """up -> act -> down (Nemotron-H's squared-ReLU MLP). `ops` reaches the linears only
+    (see linear.decode_gemv)."""
 
     def __init__(
         self,
@@ -66,11 +68,12 @@ class MLP(nn.Module):
         act: str,
         bias: bool = False,
         reduce_results: bool = True,
+        ops: KernelOps | None = None,
     ) -> None:
         super().__init__()
-        self.up_proj = ColumnParallelLinear.even(hidden_size, [intermediate_size], tp, bias)
+        self.up_proj = ColumnParallelLinear.even(hidden_size, [intermediate_size], tp, bias, ops)
         self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, tp, bias, reduce_results=reduce_results
+            intermediate_size, hidden_size, tp, bias, reduce_results=reduce_results, ops=ops
         )
         self.act = ACT2FN[act]
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ssmserve.distributed.parallel import TensorParallel
+from ssmserve.kernels import KernelOps
 from ssmserve.layers.attention import Attention
 from ssmserve.layers.batch import ForwardBatch
 from ssmserve.layers.cache import LayerCache, LayerCacheSpec
@@ -50,9 +51,9 @@ class ScaledEmbedding(VocabParallelEmbedding):
 class FalconH1MLP(GatedMLP):
     """down(up(x) * act(gate(x) * gate_multiplier)) * down_multiplier."""
 
-    def __init__(self, cfg, tp: TensorParallel) -> None:
+    def __init__(self, cfg, tp: TensorParallel, ops: KernelOps) -> None:
         super().__init__(
-            cfg.hidden_size, cfg.intermediate_size, tp, cfg.hidden_act, bias=cfg.mlp_bias
+            cfg.hidden_size, cfg.intermediate_size, tp, cfg.hidden_act, bias=cfg.mlp_bias, ops=ops
         )
         self.gate_multiplier, self.down_multiplier = (float(m) for m in cfg.mlp_multipliers)
 
@@ -99,7 +100,7 @@ class FalconH1DecoderLayer(nn.Module):
         self.mamba = _mamba(cfg, ctx)
         self.self_attn = _attention(cfg, ctx, rotary)
         self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ctx.ops)
-        self.feed_forward = FalconH1MLP(cfg, ctx.tp)
+        self.feed_forward = FalconH1MLP(cfg, ctx.tp, ctx.ops)
         self.ssm_in_multiplier = float(cfg.ssm_in_multiplier)
         self.ssm_out_multiplier = float(cfg.ssm_out_multiplier)
         self.attention_in_multiplier = float(cfg.attention_in_multiplier)

@@ -57,6 +57,8 @@ BOUNDS = {
     # the launch table's three rows (decode, mid, prefill rows per expert)
     "_moe_up_kernel": 3,
     "_moe_down_kernel": 3,
+    # split K or not, bias or not: features of the layer (model constants), not the batch
+    "_gemv_kernel": 4,
 }
 
 
@@ -81,6 +83,7 @@ def test_model_steps_of_any_batch_reuse_compiled_kernels(tmp_path, monkeypatch):
     llm = LLM(
         path,
         kernel_backend="triton",
+        decode_gemv="triton",
         device=str(DEVICE),
         dtype="float32",
         enforce_eager=True,
@@ -100,7 +103,8 @@ def test_model_steps_of_any_batch_reuse_compiled_kernels(tmp_path, monkeypatch):
     sizes = {num_seqs for _, num_seqs, _ in shapes}
     assert {1, 9} <= sizes and len(shapes) >= 10, sorted(shapes)
     assert any(0 < nd < num_seqs for nd, num_seqs, _ in shapes), "no mixed step"
-    for name in ("_ssd_chunk_cumsum_kernel", "_conv1d_varlen_kernel", "_state_update_kernel"):
+    names = ("_ssd_chunk_cumsum_kernel", "_conv1d_varlen_kernel", "_state_update_kernel")
+    for name in (*names, "_gemv_kernel"):
         assert name in keys
     assert_within_bounds(keys)
 
