@@ -26,6 +26,17 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of s, s) for s = residual + x: with `ops` and one dtype throughout,
+        one kernel for the residual add and the norm (`add_rms_norm`, the same roundings
+        as the add followed by `forward`)."""
+        if self.ops is not None and x.dtype == residual.dtype == self.weight.dtype:
+            return self.ops.add_rms_norm(x, residual, self.weight, eps=self.eps)
+        s = residual + x
+        return self(s), s
+
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Weightless RMS normalisation (FalconMamba's B, C and dt norms)."""

@@ -114,8 +114,8 @@ class FalconH1DecoderLayer(nn.Module):
         ssm = self.mamba(_scaled(x, self.ssm_in_multiplier), batch, cache.state)
         attn = self.self_attn(_scaled(x, self.attention_in_multiplier), batch, cache.kv)
         mixed = _scaled(ssm, self.ssm_out_multiplier) + _scaled(attn, self.attention_out_multiplier)
-        hidden = hidden + mixed
-        return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
+        x, hidden = self.pre_ff_layernorm.add_forward(mixed, hidden)
+        return hidden + self.feed_forward(x)
 
 
 class FalconH1ForCausalLM(CausalLM):

@@ -75,10 +75,11 @@ class JambaDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
         x = self.input_layernorm(hidden)
         if self.kind == "attention":
-            hidden = hidden + self.self_attn(x, batch, cache.kv)
+            out = self.self_attn(x, batch, cache.kv)
         else:
-            hidden = hidden + self.mamba(x, batch, cache.state)
-        return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
+            out = self.mamba(x, batch, cache.state)
+        x, hidden = self.pre_ff_layernorm.add_forward(out, hidden)
+        return hidden + self.feed_forward(x)
 
 
 class JambaForCausalLM(ExpertCheckpointNames, CausalLM):

@@ -33,8 +33,9 @@ class LlamaDecoderLayer(nn.Module):
         return LayerCacheSpec(kv=self.self_attn.cache_spec())
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, cache.kv)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        out = self.self_attn(self.input_layernorm(hidden), batch, cache.kv)
+        x, hidden = self.post_attention_layernorm.add_forward(out, hidden)
+        return hidden + self.mlp(x)
 
 
 class LlamaForCausalLM(CausalLM):
