@@ -5,11 +5,13 @@ in the interpreter (TRITON_INTERPRET=1) on a machine without one."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
 
 from ssmserve import LLM, SamplingParams
+from ssmserve.kernels._common import record_compile_keys
 from tests.triton_interpreter import interpreter_mode
 
 pytest.importorskip("triton", reason="triton is not installed")
@@ -50,6 +52,44 @@ def test_triton_backend_matches_torch_backend(checkpoint, variant):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         assert ta == tb
         for i, t in enumerate(ta):
+            assert (
+                abs(a.outputs[0].logprobs[i][t].logprob - b.outputs[0].logprobs[i][t].logprob)
+                < 1e-4
+            )
+
+
+@pytest.mark.parametrize("variant", ["bamba", "mamba2", "bamba_ngroups"])
+def test_fused_mamba2_decode_gives_the_tokens_of_the_unfused_kernels(
+    checkpoint, variant, monkeypatch
+):
+    """Greedy tokens and logprobs through the fused decode kernel equal those through the
+    conv update and state update kernels it replaces (one group and two)."""
+    from ssmserve.kernels import mamba2_decode
+    from ssmserve.kernels.causal_conv1d import causal_conv1d_update_triton
+    from ssmserve.kernels.state_update import selective_state_update_triton
+
+    prompts = ["def hello(x):\n    return", "import os"]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
+    common = dict(
+        device=DEVICE, dtype="float32", enforce_eager=True, cache_memory=2**28,
+        kernel_backend="triton",
+    )  # fmt: skip
+    with record_compile_keys() as fused_keys:
+        fused = LLM(checkpoint(variant), **common).generate(prompts, params)
+    # The two launches it replaces: the conv outputs go through global memory.
+    unfused = functools.partial(
+        mamba2_decode.conv_then_state_update,
+        causal_conv1d_update_triton,
+        selective_state_update_triton,
+    )
+    monkeypatch.setattr(mamba2_decode, "mamba2_decode_update_triton", unfused)
+    with record_compile_keys() as unfused_keys:
+        unfused_out = LLM(checkpoint(variant), **common).generate(prompts, params)
+    assert "_mamba2_decode_kernel" in fused_keys and "_conv1d_update_kernel" not in fused_keys
+    assert "_mamba2_decode_kernel" not in unfused_keys and "_state_update_kernel" in unfused_keys
+    for a, b in zip(unfused_out, fused, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for i, t in enumerate(a.outputs[0].token_ids):
             assert (
                 abs(a.outputs[0].logprobs[i][t].logprob - b.outputs[0].logprobs[i][t].logprob)
                 < 1e-4

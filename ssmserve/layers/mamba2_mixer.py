@@ -80,10 +80,10 @@ class Mamba2Mixer(nn.Module):
     """Parameter names follow HF (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj).
 
     Decode sequences (the batch's first `num_decodes`) take the one-token conv and state
-    updates; the rest go through the varlen conv and SSD scan, resuming from their state
-    slot where `has_initial_state`. States are read and written by slot, in place; the
-    batch's snapshots (prefix caching) also write conv and SSM states at chunk boundaries
-    into checkpoint rows.
+    update, fused in one launch (`mamba2_decode_update`); the rest go through the varlen
+    conv and SSD scan, resuming from their state slot where `has_initial_state`. States
+    are read and written by slot, in place; the batch's snapshots (prefix caching) also
+    write conv and SSM states at chunk boundaries into checkpoint rows.
     """
 
     def __init__(
@@ -200,32 +200,25 @@ class Mamba2Mixer(nn.Module):
         conv_weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
         outs = []
         if nd > 0:
-            slots = batch.state_slots[:nd]
-            xbc_d = self.ops.causal_conv1d_update(
+            # One launch per layer: the conv update of x, B and C, then the state update.
+            y_d = self.ops.mamba2_decode_update(
                 xbc[:nd],
                 cache.conv,
                 conv_weight,
                 self.conv1d.bias,
-                state_slots=slots,
+                cache.ssm,
+                dt[:nd],
+                A,
+                self.D,
+                dt_bias=self.dt_bias,
+                dt_softplus=True,
+                dt_limit=self.time_step_limit,
+                n_groups=G,
                 activation=self.activation,
+                state_slots=batch.state_slots[:nd],
+                **decode_rounding(batch, cache),
             )
-            xs, B, C = xbc_d.split([I, G * N, G * N], dim=-1)
-            outs.append(
-                self.ops.selective_state_update(
-                    cache.ssm,
-                    xs.view(nd, H, P),
-                    dt[:nd, :, None].expand(nd, H, P),
-                    A[:, None, None].expand(H, P, N),
-                    B.view(nd, G, N),
-                    C.view(nd, G, N),
-                    self.D[:, None].expand(H, P),
-                    dt_bias=self.dt_bias[:, None].expand(H, P),
-                    dt_softplus=True,
-                    dt_limit=self.time_step_limit,
-                    state_slots=slots,
-                    **decode_rounding(batch, cache),
-                ).reshape(nd, I)
-            )
+            outs.append(y_d.reshape(nd, I))
         num_prefill_tokens = x.shape[0] - nd
         if num_prefill_tokens > 0:
             slots = batch.state_slots[nd:]
