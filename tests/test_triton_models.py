@@ -63,13 +63,14 @@ def test_fused_mamba2_decode_gives_the_tokens_of_the_unfused_kernels(
     checkpoint, variant, monkeypatch
 ):
     """Greedy tokens and logprobs through the fused decode kernel equal those through the
-    conv update and state update kernels it replaces (one group and two)."""
+    conv update and state update kernels it replaces (one group and two). One sequence:
+    the mixer fuses decode steps of one sequence only (FUSED_DECODE_MAX_ROWS)."""
     from ssmserve.kernels import mamba2_decode
     from ssmserve.kernels.causal_conv1d import causal_conv1d_update_triton
     from ssmserve.kernels.state_update import selective_state_update_triton
 
-    prompts = ["def hello(x):\n    return", "import os"]
-    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
+    prompts = ["def hello(x):\n    return"]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
     common = dict(
         device=DEVICE, dtype="float32", enforce_eager=True, cache_memory=2**28,
         kernel_backend="triton",

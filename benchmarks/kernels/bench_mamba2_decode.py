@@ -56,23 +56,30 @@ OPTS = parse_args(__doc__, SECTIONS)
 # (name, heads, head_dim, d_state, n_groups)
 MODELS = [("bamba-9b", 128, 64, 128, 1), ("mamba2-2.7b", 80, 64, 128, 1)]
 K = 4
-BATCHES, CHECK_BATCH, SWEEP_BATCHES = (1, 64, 256, 484), 256, (1, 256)
+BATCHES, CHECK_BATCH, SWEEP_BATCHES = (1, 64, 256, 484), 256, (1, 64, 256)
 SWEEP = [
-    {"block_p": 8},
-    {"block_p": 32},
+    {"heads_per_program": 1},
+    {"heads_per_program": 4},
+    {"heads_per_program": 16},
+    {"block_p": 16},
     {"block_p": 64},
-    {"num_warps": 2},
-    {"block_p": 32, "num_warps": 8},
+    {"num_warps": 8},
+    {"block_p": 64, "num_warps": 8},
 ]
 GRAPH_CALLS = 20
 if OPTS.tiny:
     MODELS = [("tiny", 4, 8, 8, 1), ("tiny-groups", 6, 5, 8, 2)]
     BATCHES, CHECK_BATCH, SWEEP_BATCHES, GRAPH_CALLS = (1, 3), 6, (3,), 2
-    SWEEP = [{"block_p": 2}]
+    SWEEP = [{"block_p": 2, "heads_per_program": 2}]
 
 unfused_triton = functools.partial(
     conv_then_state_update, causal_conv1d_update_triton, selective_state_update_triton
 )
+
+
+def fn_config(fn) -> dict[str, Any] | None:
+    """The launch override a timed path passes (None: the defaults, or the unfused path)."""
+    return fn.keywords.get("config") if isinstance(fn, functools.partial) else None
 
 
 def make_inputs(Bt: int, H: int, P: int, N: int, G: int, num_rows: int) -> dict[str, Any]:
@@ -187,7 +194,8 @@ def time_paths(batches, configs: list[dict[str, Any]], with_unfused: bool) -> No
                 else:
                     ms = bench_ms(functools.partial(calls, n=1))
                 times[label] = ms
-                record_time(f"{full} {how}", ms, floor(Bt, H, P, N, G), config=label)
+                cfg = decode_update_launch_config(P, N, H // G, Bt * G, DEV, fn_config(fn))
+                record_time(f"{full} {how}", ms, floor(Bt, H, P, N, G), config=label, launch=cfg)
             if with_unfused:
                 unfused_ms = times["conv update + state update"]
                 log(f"{name} batch={Bt}: unfused / fused = {unfused_ms / times['fused']:.2f}")
@@ -204,7 +212,8 @@ def sweep() -> None:
 
 def main() -> None:
     name, H, P, N, G = MODELS[0]
-    environment(OPTS, kernel_width=K, default_config=decode_update_launch_config(P, N))
+    default = decode_update_launch_config(P, N, H // G, G, DEV)
+    environment(OPTS, kernel_width=K, default_config_batch_1=default)
     if DEV.type != "cuda":
         log("no GPU: one interpreted call per case, no graphs; the times mean nothing")
     run_sections(OPTS, dict(accuracy=accuracy, sizes=sizes, sweep=sweep))

@@ -30,6 +30,7 @@ from ssmserve.kernels._common import (
     launch_config,
     lazy_jit,
     next_pow2,
+    num_sms,
     tl,
     triton,
 )
@@ -249,13 +250,15 @@ def _conv_step(
 
 
 # Not specialised, as in the unfused kernels: the slots and positions (views into the
-# step's packed inputs), the per-layer rounding key and the batch strides (a one-row batch
-# gets contiguous strides from torch).
+# step's packed inputs), the per-layer rounding key, the batch strides (a one-row batch
+# gets contiguous strides from torch) and the per-batch program layout.
 @lazy_jit(
     do_not_specialize=(
         "state_slots_ptr",
         "rounding_offsets_ptr",
         "rounding_seed",
+        "heads_per_program",
+        "arrivals_per_group",
         "stride_xbc_b",
         "stride_dt_b",
         "stride_z_b",
@@ -280,6 +283,8 @@ def _mamba2_decode_kernel(
     arrivals_ptr,
     n_groups,
     heads_per_group,
+    num_p_blocks,
+    heads_per_program,
     arrivals_per_group,
     P,
     N,
@@ -321,39 +326,26 @@ def _mamba2_decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # One program per (head-dim block, head, row), as the unfused state update. It owns
-    # the x channels of its block (head * P + offs_p) outright; the B and C channels of
-    # its group it shares with the other `arrivals_per_group` programs of (row, group).
-    pid_p = tl.program_id(0)
-    head = tl.program_id(1)
+    # One program per (head-dim block x run of `heads_per_program` heads, group, row).
+    # It computes its group's B and C conv once, then walks its heads: it owns their x
+    # channels (head * P + offs_p) outright; the B and C channels it shares with the
+    # other `arrivals_per_group` programs of (row, group).
+    pid = tl.program_id(0)
+    group = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)
+    pid_p = pid % num_p_blocks
+    first_head = group * heads_per_group + (pid // num_p_blocks) * heads_per_program
     slot = tl.load(state_slots_ptr + row).to(tl.int64)
     valid = slot >= 0
-    group = head // heads_per_group
 
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
     mask_p = offs_p < P
     mask_n = offs_n < N
     mask_pn = mask_p[:, None] & mask_n[None, :] & valid
-    # The state first: the largest load, in flight while the conv is computed.
-    state_ptrs = (
-        ssm_state_ptr
-        + slot * stride_ss_slot
-        + head * stride_ss_h
-        + offs_p[:, None] * stride_ss_p
-        + offs_n[None, :] * stride_ss_n
-    )
-    state = tl.load(state_ptrs, mask=mask_pn, other=0.0).to(tl.float32)
-
     xbc_row = xbc_ptr + row * stride_xbc_b
     conv_row = conv_state_ptr + slot * stride_cs_slot
     x_dim = n_groups * heads_per_group * P
-    x, x_window, x_window_ptrs, x_mask = _conv_step(
-        xbc_row, conv_row, conv_weight_ptr, conv_bias_ptr, head * P + offs_p, mask_p, valid,
-        stride_xbc_c, stride_cs_c, stride_cs_k, stride_w_c, stride_w_k, stride_cb,
-        KM1, HAS_CONV_BIAS, SILU, BLOCK_K,
-    )  # fmt: skip
     b, b_window, b_window_ptrs, b_mask = _conv_step(
         xbc_row, conv_row, conv_weight_ptr, conv_bias_ptr, x_dim + group * N + offs_n, mask_n,
         valid, stride_xbc_c, stride_cs_c, stride_cs_k, stride_w_c, stride_w_k, stride_cb,
@@ -366,23 +358,21 @@ def _mamba2_decode_kernel(
         KM1, HAS_CONV_BIAS, SILU, BLOCK_K,
     )  # fmt: skip
 
-    # NOTE: the ordering that makes the conv state writes safe.
-    # - x channels: only this program reads and writes them. Its threads hold different
-    #   parts of the window than they store, so the barrier below orders every thread's
-    #   read before any thread's write.
-    # - B and C channels of (row, group): every one of the group's `arrivals_per_group`
-    #   programs reads their old window, so only the last of them to get here writes the
-    #   new one. The barrier puts all of this program's window loads before the
-    #   acq_rel increment of the (slot, group) counter (made by one thread). Counter
-    #   increments form one release sequence, so the program that reads count ==
-    #   arrivals - 1 acquires every other program's release: their window loads happen
-    #   before its stores and cannot see the new window. The barrier after the atomic
-    #   extends that acquire to all of the last program's threads. Nobody waits, so no
-    #   launch order can deadlock; padding rows (slot < 0) take no part.
-    # - The last program resets the counter to 0. Every valid (slot, group) of a launch
-    #   sees exactly `arrivals_per_group` increments, so each launch leaves the buffer all
-    #   zeros, as the next one (the next layer, a CUDA-graph replay) needs it. Slots are
-    #   distinct within a launch, as the state writes already require.
+    # NOTE: the ordering that makes the B/C conv state write safe. Every one of the
+    # `arrivals_per_group` programs of (row, group) reads the old B/C window, so only the
+    # last of them to get here writes the new one. The barrier puts all of this
+    # program's window loads before the acq_rel increment of the (slot, group) counter
+    # (made by one thread). The increments form one release sequence, so the program
+    # that reads count == arrivals - 1 acquires every other program's release: their
+    # window loads happen before its stores and cannot see the new window. The barrier
+    # after the atomic extends that acquire to all of the last program's threads. Nobody
+    # waits, so no launch order can deadlock; padding rows (slot < 0) take no part.
+    # The last program resets the counter to 0: every valid (slot, group) of a launch sees
+    # exactly `arrivals_per_group` increments, so each launch leaves the buffer all
+    # zeros, as the next one (the next layer, a CUDA-graph replay) needs it. Slots are
+    # distinct within a launch, as the state writes already require.
+    # The atomic comes before any state load, so its release waits on the small window
+    # loads only, and its round trip is paid once per run of heads, not once per head.
     # Ordering bugs show deterministically in the interpreter, which runs the programs
     # one after another: a B/C window written early is read shifted by the later programs
     # of the group (y and the state change), and a count that never reaches the last
@@ -392,66 +382,121 @@ def _mamba2_decode_kernel(
     arrived = tl.atomic_add(counter, 1, mask=valid, sem="acq_rel", scope="gpu")
     last = valid & (arrived == arrivals_per_group - 1)
     tl.debug_barrier()
-    tl.store(x_window_ptrs, x_window, mask=x_mask)
     tl.store(b_window_ptrs, b_window, mask=b_mask & last)
     tl.store(c_window_ptrs, c_window, mask=c_mask & last)
     tl.store(counter, 0, mask=last)
 
-    # The state update, on the conv outputs in registers (per-head dt, A, D, dt_bias).
-    dt = tl.load(dt_ptr + row * stride_dt_b + head * stride_dt_h).to(tl.float32)
-    if HAS_DT_BIAS:
-        dt += tl.load(dt_bias_ptr + head * stride_bias_h).to(tl.float32)
-    if DT_SOFTPLUS:
-        dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
-    if CLAMP_DT:
-        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-    decay = tl.exp(dt * tl.load(A_ptr + head * stride_a_h).to(tl.float32))
-    state = state * decay + (dt * x)[:, None] * b[None, :]
-    if ROUNDING == 0:
-        tl.store(state_ptrs, state.to(ssm_state_ptr.dtype.element_ty), mask=mask_pn)
-    else:
-        offset = tl.load(rounding_offsets_ptr + row).to(tl.uint32)
-        row_key = hash32(hash32(offset) ^ rounding_seed.to(tl.uint32))
-        element = (head * P + offs_p[:, None]) * N + offs_n[None, :]
-        random = hash32(row_key ^ element.to(tl.uint32))
-        if ROUNDING == 1:
-            stored = round_to_bfloat16_stochastic(state, random)
-        else:
-            stored = round_to_float16_stochastic(state, random)
-        # Exact: `stored` holds a value of the pool's dtype.
-        tl.store(state_ptrs, stored.to(ssm_state_ptr.dtype.element_ty), mask=mask_pn)
-
-    y = tl.sum(state * c[None, :], axis=1)
-    if HAS_D:
-        y += tl.load(D_ptr + head * stride_d_h).to(tl.float32) * x
-    if HAS_Z:
-        zv = tl.load(
-            z_ptr + row * stride_z_b + head * stride_z_h + offs_p * stride_z_p,
-            mask=mask_p,
-            other=0.0,
-        ).to(tl.float32)
-        y *= zv / (1.0 + tl.exp(-zv))
-    y = tl.where(valid, y, 0.0)
-    tl.store(
-        y_ptr + row * stride_y_b + head * stride_y_h + offs_p * stride_y_p,
-        y.to(y_ptr.dtype.element_ty),
-        mask=mask_p,
+    state_tile = (
+        ssm_state_ptr
+        + slot * stride_ss_slot
+        + offs_p[:, None] * stride_ss_p
+        + offs_n[None, :] * stride_ss_n
     )
+    # Each head's state is loaded one head ahead, so a load is in flight while the
+    # previous head computes.
+    next_state = tl.load(state_tile + first_head * stride_ss_h, mask=mask_pn, other=0.0)
+    for i in range(heads_per_program):
+        head = first_head + i
+        state = next_state.to(tl.float32)
+        next_state = tl.load(
+            state_tile + (head + 1) * stride_ss_h,
+            mask=mask_pn & (i + 1 < heads_per_program),
+            other=0.0,
+        )
+        x, x_window, x_window_ptrs, x_mask = _conv_step(
+            xbc_row, conv_row, conv_weight_ptr, conv_bias_ptr, head * P + offs_p, mask_p,
+            valid, stride_xbc_c, stride_cs_c, stride_cs_k, stride_w_c, stride_w_k, stride_cb,
+            KM1, HAS_CONV_BIAS, SILU, BLOCK_K,
+        )  # fmt: skip
+
+        # The state update on the conv outputs in registers (per-head dt, A, D, dt_bias).
+        dt = tl.load(dt_ptr + row * stride_dt_b + head * stride_dt_h).to(tl.float32)
+        if HAS_DT_BIAS:
+            dt += tl.load(dt_bias_ptr + head * stride_bias_h).to(tl.float32)
+        if DT_SOFTPLUS:
+            dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
+        if CLAMP_DT:
+            dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        decay = tl.exp(dt * tl.load(A_ptr + head * stride_a_h).to(tl.float32))
+        state = state * decay + (dt * x)[:, None] * b[None, :]
+        state_ptrs = state_tile + head * stride_ss_h
+        if ROUNDING == 0:
+            tl.store(state_ptrs, state.to(ssm_state_ptr.dtype.element_ty), mask=mask_pn)
+        else:
+            offset = tl.load(rounding_offsets_ptr + row).to(tl.uint32)
+            row_key = hash32(hash32(offset) ^ rounding_seed.to(tl.uint32))
+            element = (head * P + offs_p[:, None]) * N + offs_n[None, :]
+            random = hash32(row_key ^ element.to(tl.uint32))
+            if ROUNDING == 1:
+                stored = round_to_bfloat16_stochastic(state, random)
+            else:
+                stored = round_to_float16_stochastic(state, random)
+            # Exact: `stored` holds a value of the pool's dtype.
+            tl.store(state_ptrs, stored.to(ssm_state_ptr.dtype.element_ty), mask=mask_pn)
+
+        y = tl.sum(state * c[None, :], axis=1)
+        if HAS_D:
+            y += tl.load(D_ptr + head * stride_d_h).to(tl.float32) * x
+        if HAS_Z:
+            zv = tl.load(
+                z_ptr + row * stride_z_b + head * stride_z_h + offs_p * stride_z_p,
+                mask=mask_p,
+                other=0.0,
+            ).to(tl.float32)
+            y *= zv / (1.0 + tl.exp(-zv))
+        y = tl.where(valid, y, 0.0)
+        tl.store(
+            y_ptr + row * stride_y_b + head * stride_y_h + offs_p * stride_y_p,
+            y.to(y_ptr.dtype.element_ty),
+            mask=mask_p,
+        )
+        # NOTE: only this program reads and writes this head's x channels, but its
+        # threads hold other parts of the window than they store: every thread's read
+        # must land before any thread's write.
+        tl.debug_barrier()
+        tl.store(x_window_ptrs, x_window, mask=x_mask)
 
 
 def decode_update_launch_config(
-    P: int, N: int, config: Mapping[str, Any] | None = None
+    P: int,
+    N: int,
+    heads_per_group: int,
+    num_row_groups: int,
+    device: torch.device,
+    config: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Launch parameters for head dim P and state dim N, `config` overriding the defaults
+    """Launch parameters for head dim P, state dim N, `heads_per_group` heads per B/C
+    group and `num_row_groups` (batch rows x groups), `config` overriding the defaults
     (benchmarks/kernels/bench_mamba2_decode.py sweeps them).
 
-    block_p: head-dim rows per program; the unfused state update's default (~2k state
-        elements per program). Fewer rows per program mean more programs, and more
-        programs reading, and counting on, each (row, group)'s B/C window.
+    block_p: head-dim rows per program.
+    heads_per_program: heads each program walks (a divisor of `heads_per_group`). The
+        default is the most that still leaves about 8 programs per SM (on CPU, one head):
+        more heads per program mean fewer programs sharing, and counting on, each
+        (row, group)'s B/C window, and the B/C conv computed fewer times.
     num_warps: warps per program.
     """
-    default = {"block_p": min(next_pow2(P), max(1, 2048 // next_pow2(N))), "num_warps": 4}
-    return launch_config("mamba2_decode_update", default, config)
+    default = {
+        "block_p": min(next_pow2(P), max(1, 4096 // next_pow2(N))),
+        "heads_per_program": 1,
+        "num_warps": 4,
+    }
+    cfg = launch_config("mamba2_decode_update", default, config)
+    if device.type == "cuda" and "heads_per_program" not in (config or {}):
+        programs_per_head = num_row_groups * -(-P // cfg["block_p"])
+        target = 8 * num_sms(device)
+        cfg["heads_per_program"] = max(
+            d
+            for d in range(1, heads_per_group + 1)
+            if heads_per_group % d == 0
+            and (d == 1 or programs_per_head * (heads_per_group // d) >= target)
+        )
+    if heads_per_group % cfg["heads_per_program"]:
+        raise ValueError(
+            f"mamba2_decode_update: heads_per_program = {cfg['heads_per_program']} must "
+            f"divide the {heads_per_group} heads of a group"
+        )
+    return cfg
 
 
 # NOTE: the (slot, group) arrival counters: one int32 buffer per device, shared by every
@@ -509,15 +554,16 @@ def mamba2_decode_update_triton(
     y = torch.empty(Bt, H, P, dtype=xbc.dtype, device=xbc.device)
     if Bt == 0:
         return y
-    cfg = decode_update_launch_config(P, N, config)
-    block_p = cfg["block_p"]
+    cfg = decode_update_launch_config(P, N, H // G, Bt * G, xbc.device, config)
+    block_p, heads_per_program = cfg["block_p"], cfg["heads_per_program"]
     arrivals = _arrival_counters(ssm_state.device, ssm_state.shape[0] * G)
     lo, hi = dt_limit
     rounding = 0
     if rounding_offsets is not None and ssm_state.dtype in ROUNDED_DTYPES:
         rounding = 1 if ssm_state.dtype == torch.bfloat16 else 2
     num_p_blocks = triton.cdiv(P, block_p)
-    grid = (num_p_blocks, H, Bt)
+    programs_per_group = num_p_blocks * (H // G // heads_per_program)
+    grid = (programs_per_group, G, Bt)
     _mamba2_decode_kernel[grid](
         xbc,
         conv_state,
@@ -536,7 +582,9 @@ def mamba2_decode_update_triton(
         arrivals,
         G,
         H // G,
-        H // G * num_p_blocks,
+        num_p_blocks,
+        heads_per_program,
+        programs_per_group,
         P,
         N,
         float(lo),

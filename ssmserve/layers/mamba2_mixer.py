@@ -11,6 +11,7 @@ Falcon-H1 checkpoints) the scan output is only gated by silu(z).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from torch import nn
 
 from ssmserve.distributed.parallel import TensorParallel, shard_range
 from ssmserve.kernels import KernelOps
+from ssmserve.kernels.mamba2_decode import conv_then_state_update
 from ssmserve.kernels.ssd_scan import chunk_tokens
 from ssmserve.layers.batch import ForwardBatch
 from ssmserve.layers.cache import (
@@ -36,6 +38,12 @@ from ssmserve.layers.linear import (
     head_segment,
     row_sharded_parameter,
 )
+
+# Decode steps of at most this many sequences run the conv and state update as one fused
+# launch (`mamba2_decode_update`), larger ones as the two launches: on the H200 the fused
+# kernel is faster at one sequence and slower from two on (docs/kernels.md, "Fused Mamba2
+# decode"). Both give the same result (exactly so through the PyTorch twins).
+FUSED_DECODE_MAX_ROWS = 1
 
 # HF activation names the conv kernels apply (they implement SiLU).
 CONV_ACTIVATIONS = {"silu": "silu", "swish": "silu"}
@@ -80,10 +88,11 @@ class Mamba2Mixer(nn.Module):
     """Parameter names follow HF (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj).
 
     Decode sequences (the batch's first `num_decodes`) take the one-token conv and state
-    update, fused in one launch (`mamba2_decode_update`); the rest go through the varlen
-    conv and SSD scan, resuming from their state slot where `has_initial_state`. States
-    are read and written by slot, in place; the batch's snapshots (prefix caching) also
-    write conv and SSM states at chunk boundaries into checkpoint rows.
+    update (one fused launch for up to FUSED_DECODE_MAX_ROWS of them); the rest go
+    through the varlen conv and SSD scan, resuming from their state slot where
+    `has_initial_state`. States are read and written by slot, in place; the batch's
+    snapshots (prefix caching) also write conv and SSM states at chunk boundaries into
+    checkpoint rows.
     """
 
     def __init__(
@@ -200,8 +209,14 @@ class Mamba2Mixer(nn.Module):
         conv_weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
         outs = []
         if nd > 0:
-            # One launch per layer: the conv update of x, B and C, then the state update.
-            y_d = self.ops.mamba2_decode_update(
+            decode_update = self.ops.mamba2_decode_update
+            if nd > FUSED_DECODE_MAX_ROWS:
+                decode_update = functools.partial(
+                    conv_then_state_update,
+                    self.ops.causal_conv1d_update,
+                    self.ops.selective_state_update,
+                )
+            y_d = decode_update(
                 xbc[:nd],
                 cache.conv,
                 conv_weight,

@@ -92,13 +92,15 @@ def assert_counters_zero():
 
 
 @pytest.mark.parametrize(
-    "H,P,G,N,K,block_p",
+    "H,P,G,N,K,config",
     [
-        (6, 12, 1, 10, 4, 4),  # 6 heads x 3 P blocks share one group
-        (8, 5, 2, 6, 3, 2),  # 4 heads x 3 P blocks per group, odd dims
-        (9, 6, 3, 5, 4, 4),  # 3 groups (as under TP), 3 heads x 2 blocks each
-        (4, 7, 2, 8, 2, None),  # the default launch (one P block), conv width 2
-        (3, 6, 3, 5, 4, 2),  # a group per head (TP replicating groups), 3 P blocks each
+        # 6 heads share one group: 3 P blocks x 3 runs of 2 heads, 9 programs per group
+        (6, 12, 1, 10, 4, {"block_p": 4, "heads_per_program": 2}),
+        (8, 5, 2, 6, 3, {"block_p": 2}),  # 4 heads x 3 P blocks per group, odd dims
+        # 3 groups (as under TP), each one program per P block walking its 3 heads
+        (9, 6, 3, 5, 4, {"block_p": 4, "heads_per_program": 3}),
+        (4, 7, 2, 8, 2, None),  # the default launch, conv width 2
+        (3, 6, 3, 5, 4, {"block_p": 2}),  # a group per head (TP replicating groups)
     ],
 )
 @pytest.mark.parametrize(
@@ -109,12 +111,11 @@ def assert_counters_zero():
         (torch.bfloat16, torch.bfloat16),
     ],
 )
-def test_fused_update_matches_conv_then_state_update(H, P, G, N, K, block_p, dtype, state_dtype):
+def test_fused_update_matches_conv_then_state_update(H, P, G, N, K, config, dtype, state_dtype):
     """Slots in permuted order with padding rows; rows not addressed stay as they were."""
     conv_pool, ssm_pool, weights, inputs = make(5, H, P, G, N, K, dtype, state_dtype)
     conv_before, ssm_before = conv_pool.clone(), ssm_pool.clone()
     slots = [5, -1, 0, 3, -1]
-    config = None if block_p is None else {"block_p": block_p}
     y, y_ref, conv, conv_ref, ssm, ssm_ref = run_both(
         conv_pool, ssm_pool, weights, inputs, slots, G, config=config, dt_limit=(0.01, 2.0)
     )
@@ -131,14 +132,21 @@ def test_fused_update_matches_conv_then_state_update(H, P, G, N, K, block_p, dty
     assert_counters_zero()
 
 
-@pytest.mark.parametrize("G,block_p", [(1, 2), (2, 4), (3, 2)])
-def test_three_consecutive_steps_keep_both_states_equal(G, block_p):
+@pytest.mark.parametrize(
+    "G,config",
+    [
+        (1, {"block_p": 2, "heads_per_program": 3}),
+        (2, {"block_p": 4}),
+        (3, {"block_p": 2, "heads_per_program": 2}),
+    ],
+)
+def test_three_consecutive_steps_keep_both_states_equal(G, config):
     """The conv window moves one token per step: a B/C window written too early or not at
     all, or a counter not reset, shows up by the later steps."""
     H, P, N, K = 6, 6, 5, 4
     conv_pool, ssm_pool, weights, inputs = make(4, H, P, G, N, K, torch.float32, torch.float32)
     y, y_ref, conv, conv_ref, ssm, ssm_ref = run_both(
-        conv_pool, ssm_pool, weights, inputs, [6, 2, -1, 1], G, steps=3, config={"block_p": block_p}
+        conv_pool, ssm_pool, weights, inputs, [6, 2, -1, 1], G, steps=3, config=config
     )
     assert_close(y, y_ref, msg="y after 3 steps")
     assert_close(conv, conv_ref, msg="conv state after 3 steps")
@@ -242,11 +250,15 @@ def test_bad_arguments_are_errors():
         mamba2_decode_update_ref(
             *args, weights["A"], n_groups=2, state_slots=slots, activation="gelu"
         )
+    cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="unknown launch parameter"):
-        decode_update_launch_config(3, 4, {"block_n": 4})
+        decode_update_launch_config(3, 4, 2, 2, cpu, {"block_n": 4})
     with pytest.raises(ValueError, match="power of two"):
-        decode_update_launch_config(3, 4, {"block_p": 3})
-    assert decode_update_launch_config(64, 128) == {"block_p": 16, "num_warps": 4}
+        decode_update_launch_config(3, 4, 2, 2, cpu, {"block_p": 3})
+    with pytest.raises(ValueError, match="must divide"):
+        decode_update_launch_config(3, 4, 2, 2, cpu, {"heads_per_program": 3})
+    default = decode_update_launch_config(64, 128, 128, 1, cpu)
+    assert default == {"block_p": 32, "heads_per_program": 1, "num_warps": 4}
     assert math.isfinite(float(mamba2_decode_update_triton(
         *args, weights["A"], n_groups=2, state_slots=slots).abs().sum()))  # fmt: skip
 
