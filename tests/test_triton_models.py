@@ -5,6 +5,7 @@ in the interpreter (TRITON_INTERPRET=1) on a machine without one."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -81,3 +82,36 @@ def test_decode_gemv_matches_f_linear(checkpoint, variant):
         got = LLM(path, decode_gemv="triton", **common).generate(prompts, params)
     assert "_gemv_kernel" in keys, "the GEMV never ran"
     assert_same_greedy_outputs(ref, got)
+
+
+@pytest.mark.parametrize("variant", ["bamba", "mamba2", "bamba_ngroups"])
+def test_fused_mamba2_decode_gives_the_tokens_of_the_unfused_kernels(
+    checkpoint, variant, monkeypatch
+):
+    """Greedy tokens and logprobs through the fused decode kernel equal those through the
+    conv update and state update kernels it replaces (one group and two). One sequence:
+    the mixer fuses decode steps of one sequence only (FUSED_DECODE_MAX_ROWS)."""
+    from ssmserve.kernels import mamba2_decode
+    from ssmserve.kernels.causal_conv1d import causal_conv1d_update_triton
+    from ssmserve.kernels.state_update import selective_state_update_triton
+
+    prompts = ["def hello(x):\n    return"]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    common = dict(
+        device=DEVICE, dtype="float32", enforce_eager=True, cache_memory=2**28,
+        kernel_backend="triton",
+    )  # fmt: skip
+    with record_compile_keys() as fused_keys:
+        fused = LLM(checkpoint(variant), **common).generate(prompts, params)
+    # The two launches it replaces: the conv outputs go through global memory.
+    unfused = functools.partial(
+        mamba2_decode.conv_then_state_update,
+        causal_conv1d_update_triton,
+        selective_state_update_triton,
+    )
+    monkeypatch.setattr(mamba2_decode, "mamba2_decode_update_triton", unfused)
+    with record_compile_keys() as unfused_keys:
+        unfused_out = LLM(checkpoint(variant), **common).generate(prompts, params)
+    assert "_mamba2_decode_kernel" in fused_keys and "_conv1d_update_kernel" not in fused_keys
+    assert "_mamba2_decode_kernel" not in unfused_keys and "_state_update_kernel" in unfused_keys
+    assert_same_greedy_outputs(unfused_out, fused)

@@ -25,6 +25,7 @@ _OPS: dict[str, tuple[str, str]] = {
     "selective_state_update": ("state_update", "selective_state_update"),
     "causal_conv1d_varlen": ("causal_conv1d", "causal_conv1d_varlen"),
     "causal_conv1d_update": ("causal_conv1d", "causal_conv1d_update"),
+    "mamba2_decode_update": ("mamba2_decode", "mamba2_decode_update"),
     "gated_rms_norm": ("gated_rms_norm", "gated_rms_norm"),
     "add_rms_norm": ("gated_rms_norm", "add_rms_norm"),
     "rotary_embedding": ("rotary", "rotary_embedding"),
@@ -60,6 +61,7 @@ class KernelOps:
     selective_state_update: Callable[..., torch.Tensor]
     causal_conv1d_varlen: Callable[..., torch.Tensor]
     causal_conv1d_update: Callable[..., torch.Tensor]
+    mamba2_decode_update: Callable[..., torch.Tensor]
     gated_rms_norm: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]

@@ -11,6 +11,7 @@ Falcon-H1 checkpoints) the scan output is only gated by silu(z).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from torch import nn
 
 from ssmserve.distributed.parallel import TensorParallel, shard_range
 from ssmserve.kernels import KernelOps
+from ssmserve.kernels.mamba2_decode import conv_then_state_update
 from ssmserve.kernels.ssd_scan import chunk_tokens
 from ssmserve.layers.batch import ForwardBatch
 from ssmserve.layers.cache import (
@@ -36,6 +38,12 @@ from ssmserve.layers.linear import (
     head_segment,
     row_sharded_parameter,
 )
+
+# Decode steps of at most this many sequences run the conv and state update as one fused
+# launch (`mamba2_decode_update`), larger ones as the two launches: on the H200 the fused
+# kernel is faster at one sequence and slower from two on (docs/kernels.md, "Fused Mamba2
+# decode"). Both give the same result (exactly so through the PyTorch twins).
+FUSED_DECODE_MAX_ROWS = 1
 
 # HF activation names the conv kernels apply (they implement SiLU).
 CONV_ACTIVATIONS = {"silu": "silu", "swish": "silu"}
@@ -80,10 +88,11 @@ class Mamba2Mixer(nn.Module):
     """Parameter names follow HF (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj).
 
     Decode sequences (the batch's first `num_decodes`) take the one-token conv and state
-    updates; the rest go through the varlen conv and SSD scan, resuming from their state
-    slot where `has_initial_state`. States are read and written by slot, in place; the
-    batch's snapshots (prefix caching) also write conv and SSM states at chunk boundaries
-    into checkpoint rows.
+    update (one fused launch for up to FUSED_DECODE_MAX_ROWS of them); the rest go
+    through the varlen conv and SSD scan, resuming from their state slot where
+    `has_initial_state`. States are read and written by slot, in place; the batch's
+    snapshots (prefix caching) also write conv and SSM states at chunk boundaries into
+    checkpoint rows.
     """
 
     def __init__(
@@ -202,32 +211,31 @@ class Mamba2Mixer(nn.Module):
         conv_weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
         outs = []
         if nd > 0:
-            slots = batch.state_slots[:nd]
-            xbc_d = self.ops.causal_conv1d_update(
+            decode_update = self.ops.mamba2_decode_update
+            if nd > FUSED_DECODE_MAX_ROWS:
+                decode_update = functools.partial(
+                    conv_then_state_update,
+                    self.ops.causal_conv1d_update,
+                    self.ops.selective_state_update,
+                )
+            y_d = decode_update(
                 xbc[:nd],
                 cache.conv,
                 conv_weight,
                 self.conv1d.bias,
-                state_slots=slots,
+                cache.ssm,
+                dt[:nd],
+                A,
+                self.D,
+                dt_bias=self.dt_bias,
+                dt_softplus=True,
+                dt_limit=self.time_step_limit,
+                n_groups=G,
                 activation=self.activation,
+                state_slots=batch.state_slots[:nd],
+                **decode_rounding(batch, cache),
             )
-            xs, B, C = xbc_d.split([I, G * N, G * N], dim=-1)
-            outs.append(
-                self.ops.selective_state_update(
-                    cache.ssm,
-                    xs.view(nd, H, P),
-                    dt[:nd, :, None].expand(nd, H, P),
-                    A[:, None, None].expand(H, P, N),
-                    B.view(nd, G, N),
-                    C.view(nd, G, N),
-                    self.D[:, None].expand(H, P),
-                    dt_bias=self.dt_bias[:, None].expand(H, P),
-                    dt_softplus=True,
-                    dt_limit=self.time_step_limit,
-                    state_slots=slots,
-                    **decode_rounding(batch, cache),
-                ).reshape(nd, I)
-            )
+            outs.append(y_d.reshape(nd, I))
         num_prefill_tokens = x.shape[0] - nd
         if num_prefill_tokens > 0:
             slots = batch.state_slots[nd:]
