@@ -88,6 +88,28 @@ def _sync(engine: LLMEngine) -> None:
         torch.cuda.synchronize(engine.device)
 
 
+class _Pauses:
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self.started = 0.0
+
+    def callback(self, phase: str, info: dict[str, Any]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self.started = time.perf_counter()
+        else:
+            self.seconds.append(time.perf_counter() - self.started)
+
+
+def _full_collections() -> _Pauses:
+    """Full collections of Python's cyclic collector from now on (each stops the step
+    loop while it walks every tracked object): their count and time, for the report."""
+    pauses = _Pauses()
+    gc.callbacks.append(pauses.callback)
+    return pauses
+
+
 def steady_decode(
     engine: LLMEngine, batch: int, context: int, window: int, max_tokens: int, rng: random.Random
 ) -> dict[str, Any]:
@@ -114,16 +136,24 @@ def steady_decode(
     _sync(engine)
     prefill_s = time.perf_counter() - start
     running = len(scheduler.running)
+    pauses = _full_collections()
     start = time.perf_counter()
     for _ in range(window):
         engine.step()
     _sync(engine)
     step_s = (time.perf_counter() - start) / window
+    gc.callbacks.remove(pauses.callback)
     for request_id in [str(i) for i in range(batch)]:
         engine.abort_request(request_id)
     while engine.has_unfinished_requests():
         engine.step()
-    return {"running": running, "prefill_s": prefill_s, "step_s": step_s}
+    return {
+        "running": running,
+        "prefill_s": prefill_s,
+        "step_s": step_s,
+        "full_gc_collections": len(pauses.seconds),
+        "full_gc_s": sum(pauses.seconds),
+    }
 
 
 def measure(
@@ -164,6 +194,8 @@ def measure(
         "over_floor": step / floor if floor else None,
         "output_tok_s": result["running"] / step,
         "prefill_s": result["prefill_s"],
+        "full_gc_collections": result["full_gc_collections"],
+        "full_gc_s": result["full_gc_s"],
     }
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ssmserve.config import EngineConfig
-from ssmserve.engine.engine import LLMEngine, PromptType
+from ssmserve.engine.engine import LLMEngine, PromptType, freeze_startup_objects
 from ssmserve.outputs import RequestOutput
 from ssmserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -25,6 +25,10 @@ class LLM:
     >>> out = llm.generate("def fibonacci(n):", SamplingParams(max_tokens=32, temperature=0))
     >>> print(out[0].outputs[0].text)
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> LLM:
+        freeze_startup_objects()  # as LLMEngine does, before this object exists
+        return super().__new__(cls)
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args))

@@ -367,6 +367,7 @@ def test_long_outputs_runs_the_largest_batch_the_cache_holds(checkpoint, tmp_pat
     assert [r["model"] for r in rows] == [Path(checkpoint(m)).name for m in ("bamba", "llama")]
     for model, row in zip(("bamba", "llama"), rows, strict=True):
         assert row["running"] == row["batch"] > 1
+        assert (row["full_gc_collections"] > 0) == (row["full_gc_s"] > 0)
         more = LLMEngine(
             EngineConfig(
                 model=checkpoint(model),

@@ -303,27 +303,24 @@ def test_a_stop_string_completed_by_the_last_allowed_token_still_stops(checkpoin
     assert got.text == text[: len(text) - len(stop)]
 
 
-def test_startup_objects_are_frozen_and_engines_dropped_later_are_still_collected(checkpoint):
-    """Objects alive when an engine is built are kept out of the cyclic collector (its
-    full collections stall the step loop); an engine that was alive then (so frozen)
-    and dropped later, in a reference cycle, is still collected when the next engine is
-    built; shutdown releases the frozen set."""
+def test_startup_objects_are_frozen_once_and_engines_are_still_collected(checkpoint):
+    """The objects alive before a process's first engine are kept out of the cyclic
+    collector (its full collections stall the step loop); engines and LLMs themselves
+    never are: dropped, in reference cycles, while others are alive, they are collected."""
     import gc
     import weakref
 
-    def engine() -> LLMEngine:
-        return LLMEngine(EngineConfig(model=checkpoint("mamba2"), device="cpu", dtype="float32"))
-
-    first = engine()
+    config = EngineConfig(model=checkpoint("mamba2"), device="cpu", dtype="float32")
+    first = LLMEngine(config)
+    frozen = gc.get_freeze_count()
+    assert frozen > 0
     first.cycle = first  # garbage only the cyclic collector can free
-    second = engine()  # freezes `first` with everything else alive
-    assert gc.get_freeze_count() > 0
-    gone = weakref.ref(first)
-    del first
+    second = LLMEngine(config)  # alive around `first`: freezing it now would leak it
+    llm = make_llm(checkpoint("mamba2"))
+    llm.cycle = llm
+    dropped = [weakref.ref(first), weakref.ref(llm), weakref.ref(llm.llm_engine)]
+    del first, llm
     gc.collect()
-    assert gone() is not None  # frozen: a collection alone does not free it
-    third = engine()
-    assert gone() is None, "an engine frozen while alive leaked after it was dropped"
+    assert all(ref() is None for ref in dropped), "a dropped engine or LLM was not collected"
+    assert gc.get_freeze_count() == frozen
     second.shutdown()
-    assert gc.get_freeze_count() == 0
-    third.shutdown()

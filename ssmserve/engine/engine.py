@@ -66,15 +66,15 @@ class RequestFailedError(RuntimeError):
         self.outputs = outputs
 
 
-def _freeze_startup_objects() -> None:
-    """Keep the objects that exist before an engine is built (hundreds of thousands from
-    the imported libraries alone) out of Python's cyclic collector: each full collection
-    stops the step loop for as long as it takes to walk every tracked object, and these
-    never die. Whatever an earlier freeze kept is released first, so an engine dropped
-    since is collected; `shutdown` releases them too."""
-    gc.unfreeze()
-    gc.collect()
-    gc.freeze()
+def freeze_startup_objects() -> None:
+    """Before the first engine of the process, keep the objects that exist (hundreds of
+    thousands from the imported libraries alone) out of Python's cyclic collector: each
+    full collection stops the step loop for as long as it takes to walk every tracked
+    object, and these never die. Once per process, after a collection (so no garbage is
+    kept): engines built later, and what they make, are collected as usual."""
+    if gc.get_freeze_count() == 0:
+        gc.collect()
+        gc.freeze()
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -117,8 +117,11 @@ class LLMEngine:
     """Owns the model, caches, scheduler and sampler. Not thread-safe: drive it from one
     thread (the async server engine runs it in its own thread)."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> LLMEngine:
+        freeze_startup_objects()  # before the engine exists: it is never frozen itself
+        return super().__new__(cls)
+
     def __init__(self, config: EngineConfig) -> None:
-        _freeze_startup_objects()
         self.config = config
         path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_hf(path, config.max_model_len)
@@ -247,7 +250,6 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop tensor-parallel workers and free the caches; the engine is unusable after."""
         self.executor.shutdown()
-        gc.unfreeze()
 
     # -- requests ---------------------------------------------------------------------
 
