@@ -196,6 +196,11 @@ def test_bad_prompts_are_rejected_and_leave_nothing_behind(checkpoint):
         llm.generate([{"prompt_token_ids": []}])
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         llm.generate(["fine", {"prompt_token_ids": [1, 10**6]}])
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm.generate([{"prompt_token_ids": [3, -1, 4]}])
+    for ids in ([1, True], [1, 2.0], [1, "2"], [None], "12"):
+        with pytest.raises(InvalidRequestError, match="list of integers"):
+            llm.generate([{"prompt_token_ids": ids}])
     assert_idle(llm.stats())
     assert not llm.llm_engine.has_unfinished_requests()
 

@@ -259,8 +259,9 @@ class LLMEngine:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
+                # The distinct types, found at C speed: prompts run to 100k+ ids.
                 if not isinstance(ids, (list, tuple)) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                    issubclass(t, int) and t is not bool for t in set(map(type, ids))
                 ):
                     raise InvalidRequestError("prompt_token_ids must be a list of integers")
                 return prompt.get("prompt"), list(ids)
@@ -279,8 +280,8 @@ class LLMEngine:
         if not ids:
             raise InvalidRequestError("the prompt is empty; give at least one token")
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = [t for t in ids if not 0 <= t < vocab]
             raise InvalidRequestError(
                 f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
             )
