@@ -38,10 +38,8 @@ from ssmserve.kernels.causal_conv1d import causal_conv1d_update_ref
 from ssmserve.kernels.state_update import selective_state_update_ref
 from ssmserve.kernels.stochastic_rounding import (
     ROUNDED_DTYPES,
-    hash32,
     launch_seed,
-    round_to_bfloat16_stochastic,
-    round_to_float16_stochastic,
+    store_state,
 )
 
 _ACTIVATIONS = (None, "silu", "swish")
@@ -420,19 +418,10 @@ def _mamba2_decode_kernel(
         decay = tl.exp(dt * tl.load(A_ptr + head * stride_a_h).to(tl.float32))
         state = state * decay + (dt * x)[:, None] * b[None, :]
         state_ptrs = state_tile + head * stride_ss_h
-        if ROUNDING == 0:
-            tl.store(state_ptrs, state.to(ssm_state_ptr.dtype.element_ty), mask=mask_pn)
-        else:
-            offset = tl.load(rounding_offsets_ptr + row).to(tl.uint32)
-            row_key = hash32(hash32(offset) ^ rounding_seed.to(tl.uint32))
-            element = (head * P + offs_p[:, None]) * N + offs_n[None, :]
-            random = hash32(row_key ^ element.to(tl.uint32))
-            if ROUNDING == 1:
-                stored = round_to_bfloat16_stochastic(state, random)
-            else:
-                stored = round_to_float16_stochastic(state, random)
-            # Exact: `stored` holds a value of the pool's dtype.
-            tl.store(state_ptrs, stored.to(ssm_state_ptr.dtype.element_ty), mask=mask_pn)
+        store_state(
+            ssm_state_ptr, state_ptrs, state, mask_pn, rounding_offsets_ptr, row,
+            rounding_seed, head, P, N, offs_p, offs_n, ROUNDING,
+        )  # fmt: skip
 
         y = tl.sum(state * c[None, :], axis=1)
         if HAS_D:

@@ -36,12 +36,10 @@ from ssmserve.kernels._common import (
 )
 from ssmserve.kernels.stochastic_rounding import (
     ROUNDED_DTYPES,
-    hash32,
     launch_seed,
-    round_to_bfloat16_stochastic,
-    round_to_float16_stochastic,
     rounding_bits_ref,
     stochastic_round_ref,
+    store_state,
 )
 
 
@@ -293,19 +291,10 @@ def _state_update_kernel(
     ).to(tl.float32)
 
     state = state * decay + dtx[:, None] * b[None, :]
-    if ROUNDING == 0:
-        tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask_pn)
-    else:
-        offset = tl.load(rounding_offsets_ptr + row).to(tl.uint32)
-        row_key = hash32(hash32(offset) ^ rounding_seed.to(tl.uint32))
-        element = (head * P + offs_p[:, None]) * N + offs_n[None, :]
-        random = hash32(row_key ^ element.to(tl.uint32))
-        if ROUNDING == 1:
-            stored = round_to_bfloat16_stochastic(state, random)
-        else:
-            stored = round_to_float16_stochastic(state, random)
-        # Exact: `stored` holds a value of the pool's dtype.
-        tl.store(state_ptrs, stored.to(state_ptr.dtype.element_ty), mask=mask_pn)
+    store_state(
+        state_ptr, state_ptrs, state, mask_pn, rounding_offsets_ptr, row, rounding_seed,
+        head, P, N, offs_p, offs_n, ROUNDING,
+    )  # fmt: skip
 
     y = tl.sum(state * c[None, :], axis=1)
     if HAS_D:

@@ -160,3 +160,38 @@ def round_to_float16_stochastic(value, random):
     sign = value.to(tl.uint32, bitcast=True) & 0x80000000
     signed = (rounded.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(magnitude <= 3.4028234663852886e38, signed, value)
+
+
+@device_function
+def store_state(
+    pool_ptr,
+    ptrs,
+    state,
+    mask,
+    offsets_ptr,
+    row,
+    seed,
+    head,
+    P,
+    N,
+    offs_p,
+    offs_n,
+    ROUNDING: tl.constexpr,
+):
+    # Store a float32 [P, N] state tile of `head` into its pool (`pool_ptr`'s dtype):
+    # rounded to nearest (ROUNDING 0), or stochastically to bfloat16 (1) / float16 (2)
+    # with noise keyed by the row's position offset, the launch seed and each element's
+    # index in the head's state (what the state-update twin's noise is keyed by).
+    if ROUNDING == 0:
+        tl.store(ptrs, state.to(pool_ptr.dtype.element_ty), mask=mask)
+    else:
+        offset = tl.load(offsets_ptr + row).to(tl.uint32)
+        row_key = hash32(hash32(offset) ^ seed.to(tl.uint32))
+        element = (head * P + offs_p[:, None]) * N + offs_n[None, :]
+        random = hash32(row_key ^ element.to(tl.uint32))
+        if ROUNDING == 1:
+            stored = round_to_bfloat16_stochastic(state, random)
+        else:
+            stored = round_to_float16_stochastic(state, random)
+        # Exact: `stored` holds a value of the pool's dtype.
+        tl.store(ptrs, stored.to(pool_ptr.dtype.element_ty), mask=mask)
