@@ -32,6 +32,7 @@ _OPS: dict[str, tuple[str, str]] = {
     "act_and_mul": ("activation", "act_and_mul"),
     "write_kv_cache": ("paged_attention", "write_kv_cache"),
     "paged_attention": ("paged_attention", "paged_attention"),
+    "moe_route": ("moe", "moe_route"),
     "fused_moe": ("moe", "fused_moe"),
     "gemv": ("gemv", "gemv"),
 }
@@ -68,6 +69,7 @@ class KernelOps:
     act_and_mul: Callable[..., torch.Tensor]
     write_kv_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+    moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_moe: Callable[..., torch.Tensor]
     gemv: Callable[..., torch.Tensor]
     decode_gemv: str = "cublas"

@@ -16,6 +16,16 @@ gate/up with the activation and gating fused, and down with the routing weight f
 The K output rows of a token are summed in a fixed order, with no atomics: results are
 the same run to run, and within a launch configuration a token's result does not depend
 on which other tokens share its expert's blocks.
+
+Decode-sized calls (at most ROWS_MAX_TOKENS tokens) skip the sort: a GEMV per (token, k)
+assignment computes the gated intermediate, and one program per (token, hidden tile)
+walks the token's K experts in order, adding the weighted down projections in float32
+and storing the result once. Two launches instead of the sort's dozen small kernels plus
+two GEMMs and the sum; an expert two tokens share is read twice (from L2 when they run
+together), which costs less than the index work at these sizes.
+
+`moe_route` is the router's top-k in one launch: softmax or sigmoid scores, an optional
+correction bias that moves the choice, grouped top-k, renormalisation and scaling.
 """
 
 from __future__ import annotations
@@ -26,10 +36,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ssmserve.kernels._common import check_shape, interpret_mode, launch_config, lazy_jit, tl
+from ssmserve.kernels._common import (
+    check_shape,
+    device_function,
+    interpret_mode,
+    launch_config,
+    lazy_jit,
+    next_pow2,
+    tl,
+)
 
 # Expert activations: name -> the Triton kernels' code.
 ACTIVATIONS = {"silu": 0, "gelu": 1, "relu2": 2}
+SCORING = ("softmax", "sigmoid")
+# Most tokens a call takes the per-assignment (decode) kernels for; more sort by expert.
+ROWS_MAX_TOKENS = 4
 
 
 def _act_ref(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -115,7 +136,297 @@ def fused_moe_ref(
     return out.view(T, K, H).sum(1).to(x.dtype)
 
 
+def _check_route_args(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    scoring: str,
+    num_groups: int,
+    topk_groups: int,
+) -> tuple[int, int]:
+    check_shape("logits", logits, [None, None])
+    T, E = logits.shape
+    if scoring not in SCORING:
+        raise ValueError(f"router scoring {scoring!r} is not supported; use one of {SCORING}")
+    if correction_bias is not None:
+        check_shape("correction_bias", correction_bias, [E])
+    if num_groups < 1 or E % num_groups or not 1 <= topk_groups <= num_groups:
+        raise ValueError(
+            f"{E} experts cannot form {num_groups} groups with {topk_groups} of them kept"
+        )
+    if not 1 <= top_k <= topk_groups * (E // num_groups):
+        raise ValueError(
+            f"top_k = {top_k} must lie in [1, {topk_groups * (E // num_groups)}] (the experts "
+            "of the groups kept)"
+        )
+    return T, E
+
+
+def moe_route_ref(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor | None = None,
+    *,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = False,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts of each token and their weights (PyTorch twin of `moe_route_triton`).
+
+    Scores are the softmax or sigmoid of the logits, in float32. `correction_bias` [E] is
+    added to the scores to choose experts; the weights stay the uncorrected scores. With
+    `num_groups` > 1, only the `topk_groups` groups whose two best experts score the most
+    (DeepSeek-V3's rule) are chosen from. Weights are renormalised over the chosen
+    experts if asked, then times `routed_scaling_factor`.
+
+    Args:
+        logits: [T, E] router logits.
+
+    Returns:
+        weights [T, top_k] float32 and ids [T, top_k] int64, best first.
+    """
+    _check_route_args(logits, correction_bias, top_k, scoring, num_groups, topk_groups)
+    logits = logits.float()
+    scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if num_groups > 1:
+        T, E = choice.shape
+        groups = choice.view(T, num_groups, E // num_groups)
+        group_scores = groups.topk(2, dim=-1).values.sum(-1)
+        kept = group_scores.topk(topk_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        choice = groups.masked_fill(~keep[:, :, None], float("-inf")).view(T, E)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
+    return weights, ids
+
+
 # ---------------------------------------------------------------------------- Triton
+
+
+@device_function
+def _activate(h, ACTIVATION: tl.constexpr):
+    """silu (0), gelu (1) or squared ReLU (2) of a float32 tile."""
+    if ACTIVATION == 0:
+        return h / (1.0 + tl.exp(-h))
+    if ACTIVATION == 1:
+        return 0.5 * h * (1.0 + tl.erf(h * 0.7071067811865476))
+    h = tl.maximum(h, 0.0)
+    return h * h
+
+
+@lazy_jit
+def _moe_route_kernel(
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    per_group,
+    stride_l_t,
+    stride_l_e,
+    routed_scaling_factor,
+    TOP_K: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
+):
+    """One token's routing. The experts sit in a [group, expert in group] tile (one group
+    when ungrouped); top-k is TOP_K rounds of argmax, best first, lowest id on ties."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_p = tl.arange(0, BLOCK_P)
+    experts = offs_g[:, None] * per_group + offs_p[None, :]
+    ok = (offs_g[:, None] < NUM_GROUPS) & (offs_p[None, :] < per_group)
+    logit = tl.load(
+        logits_ptr + t * stride_l_t + experts * stride_l_e, mask=ok, other=float("-inf")
+    ).to(tl.float32)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-logit))
+    else:
+        e = tl.exp(logit - tl.max(tl.max(logit, axis=1), axis=0))
+        scores = e / tl.sum(tl.sum(e, axis=1), axis=0)
+    choice = scores
+    if HAS_BIAS:
+        choice += tl.load(bias_ptr + experts, mask=ok, other=0.0).to(tl.float32)
+    choice = tl.where(ok, choice, float("-inf"))
+    if NUM_GROUPS > 1:
+        # A group's score is the sum of its two best experts; keep the TOPK_GROUPS best.
+        best = tl.argmax(choice, axis=1)
+        second = tl.where(offs_p[None, :] == best[:, None], float("-inf"), choice)
+        group_score = tl.max(choice, axis=1) + tl.max(second, axis=1)
+        keep = tl.zeros([BLOCK_G], dtype=tl.int32)
+        for _ in tl.static_range(TOPK_GROUPS):
+            g = tl.argmax(group_score, axis=0)
+            keep = tl.where(offs_g == g, 1, keep)
+            group_score = tl.where(offs_g == g, float("-inf"), group_score)
+        choice = tl.where(keep[:, None] == 1, choice, float("-inf"))
+    flat_choice = tl.reshape(choice, [BLOCK_G * BLOCK_P])
+    flat_scores = tl.reshape(scores, [BLOCK_G * BLOCK_P])
+    flat_ids = tl.reshape(experts, [BLOCK_G * BLOCK_P])
+    pos = tl.arange(0, BLOCK_G * BLOCK_P)
+    offs_k = tl.arange(0, BLOCK_TOPK)
+    chosen_w = tl.zeros([BLOCK_TOPK], dtype=tl.float32)
+    chosen_id = tl.zeros([BLOCK_TOPK], dtype=tl.int64)
+    for k in tl.static_range(TOP_K):
+        hit = pos == tl.argmax(flat_choice, axis=0)
+        chosen_w = tl.where(offs_k == k, tl.sum(tl.where(hit, flat_scores, 0.0), axis=0), chosen_w)
+        chosen_id = tl.where(offs_k == k, tl.sum(tl.where(hit, flat_ids, 0), axis=0), chosen_id)
+        flat_choice = tl.where(hit, float("-inf"), flat_choice)
+    if RENORMALIZE:
+        chosen_w = chosen_w / (tl.sum(chosen_w, axis=0) + 1e-20)
+    chosen_w = chosen_w * routed_scaling_factor
+    k_ok = offs_k < TOP_K
+    tl.store(weights_ptr + t * TOP_K + offs_k, chosen_w, mask=k_ok)
+    tl.store(ids_ptr + t * TOP_K + offs_k, chosen_id, mask=k_ok)
+
+
+def moe_route_triton(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor | None = None,
+    *,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = False,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `moe_route_ref` (same arguments and results), one program per
+    token. Ties between experts go to the lower id (the twin's torch.topk leaves them
+    unspecified; real router scores do not tie)."""
+    T, E = _check_route_args(logits, correction_bias, top_k, scoring, num_groups, topk_groups)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T == 0:
+        return weights, ids
+    per_group = E // num_groups
+    _moe_route_kernel[(T,)](
+        logits,
+        correction_bias if correction_bias is not None else logits,
+        weights,
+        ids,
+        per_group,
+        *logits.stride(),
+        float(routed_scaling_factor),
+        TOP_K=top_k,
+        SIGMOID=scoring == "sigmoid",
+        HAS_BIAS=correction_bias is not None,
+        RENORMALIZE=renormalize,
+        NUM_GROUPS=num_groups,
+        TOPK_GROUPS=topk_groups,
+        BLOCK_G=next_pow2(num_groups),
+        BLOCK_P=next_pow2(per_group),
+        BLOCK_TOPK=next_pow2(top_k),
+        num_warps=4 if E > 256 else 1,
+    )
+    return weights, ids
+
+
+@lazy_jit
+def _moe_rows_up_kernel(
+    x_ptr,
+    w_ptr,
+    inter_ptr,
+    ids_ptr,
+    top_k,
+    hidden,
+    inter_size,
+    stride_x_t,
+    stride_x_h,
+    stride_w_e,
+    stride_w_n,
+    stride_w_h,
+    stride_i_r,
+    stride_i_n,
+    GATED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """inter[row, n] for one (token, k) assignment row and BLOCK_N channels: a GEMV of the
+    token against its expert's gate (and up) rows, in float32."""
+    row = tl.program_id(0)
+    token = (row // top_k).to(tl.int64)
+    expert = tl.load(ids_ptr + row).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter_size
+    offs_k = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + token * stride_x_t
+    w_rows = w_ptr + expert * stride_w_e + offs_n[:, None].to(tl.int64) * stride_w_n
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < hidden
+        xk = tl.load(x_row + k * stride_x_h, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        mask = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_rows + k[None, :] * stride_w_h, mask=mask, other=0.0)
+        acc += tl.sum(w.to(tl.float32) * xk, axis=1)
+        if GATED:
+            up_ptrs = w_rows + inter_size * stride_w_n + k[None, :] * stride_w_h
+            w_up = tl.load(up_ptrs, mask=mask, other=0.0)
+            acc_up += tl.sum(w_up.to(tl.float32) * xk, axis=1)
+    h = _activate(acc, ACTIVATION)
+    if GATED:
+        h = h * acc_up
+    out_ptrs = inter_ptr + row.to(tl.int64) * stride_i_r + offs_n * stride_i_n
+    tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=n_ok)
+
+
+@lazy_jit
+def _moe_rows_down_kernel(
+    inter_ptr,
+    w_ptr,
+    out_ptr,
+    weights_ptr,
+    ids_ptr,
+    hidden,
+    inter_size,
+    stride_i_r,
+    stride_i_n,
+    stride_w_e,
+    stride_w_h,
+    stride_w_n,
+    stride_o_t,
+    stride_o_h,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[token, h] for BLOCK_N hidden channels: the token's K experts in order, each
+    weight * (inter[row] . down[e, h]), summed in float32, stored once in out's dtype."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = token * TOP_K + j
+        expert = tl.load(ids_ptr + row).to(tl.int64)
+        a_row = inter_ptr + row * stride_i_r
+        w_rows = w_ptr + expert * stride_w_e + offs_n[:, None].to(tl.int64) * stride_w_h
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, inter_size, BLOCK_K):
+            k = k0 + offs_k
+            k_ok = k < inter_size
+            a = tl.load(a_row + k * stride_i_n, mask=k_ok, other=0.0).to(tl.float32)
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_rows + k[None, :] * stride_w_n, mask=w_mask, other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        total += tl.load(weights_ptr + row).to(tl.float32) * acc
+    out_ptrs = out_ptr + token * stride_o_t + offs_n * stride_o_h
+    tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def align_by_expert(
@@ -208,13 +519,7 @@ def _moe_up_kernel(
             acc_up = tl.dot(xt, wu, acc_up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_x_h
         w_ptrs += BLOCK_K * stride_w_h
-    if ACTIVATION == 0:
-        h = acc / (1.0 + tl.exp(-acc))
-    elif ACTIVATION == 1:
-        h = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
-    else:
-        h = tl.maximum(acc, 0.0)
-        h = h * h
+    h = _activate(acc, ACTIVATION)
     if GATED:
         h = h * acc_up
     out_ptrs = inter_ptr + rows[:, None].to(tl.int64) * stride_i_r + offs_n[None, :] * stride_i_n
@@ -313,13 +618,19 @@ def fused_moe_triton(
     activation: str = "silu",
     gated: bool = True,
     config: Mapping[str, Any] | None = None,
+    rows_config: Mapping[str, Any] | None = None,
+    rows_max_tokens: int = ROWS_MAX_TOKENS,
 ) -> torch.Tensor:
     """Triton twin of `fused_moe_ref` (same arguments, shapes and result). No host sync:
-    safe under CUDA graphs. `config` overrides launch parameters (see
-    `moe_launch_config`; benchmarks and tests only)."""
+    safe under CUDA graphs. Up to `rows_max_tokens` tokens run the per-assignment
+    kernels, more the sorted grouped GEMMs. `config` overrides the sorted path's launch
+    parameters (see `moe_launch_config`), `rows_config` the other's (`moe_rows_config`);
+    benchmarks and tests only, as is `rows_max_tokens`."""
     T, H, E, I, K = _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, gated)
     if T == 0:
         return torch.zeros_like(x)
+    if T <= rows_max_tokens:
+        return _fused_moe_rows(x, w13, w2, topk_weights, topk_ids, activation, gated, rows_config)
     num_rows = T * K
     cfg = moe_launch_config(num_rows, E, config)
     block_m, block_n, block_k = cfg["block_m"], cfg["block_n"], cfg["block_k"]
@@ -380,3 +691,66 @@ def fused_moe_triton(
         **launch,
     )
     return out.view(T, K, H).sum(1).to(x.dtype)
+
+
+def moe_rows_config(config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Launch parameters of the per-assignment (decode) kernels, `config` overriding the
+    defaults: up_block_n / down_block_n output channels per program of the gate-up and
+    down kernels, block_k the reduction step, num_warps. Not measured yet:
+    benchmarks/kernels/bench_moe.py sweeps them."""
+    default = {"up_block_n": 16, "down_block_n": 8, "block_k": 128, "num_warps": 4}
+    return launch_config("fused_moe rows", default, config)
+
+
+def _fused_moe_rows(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str,
+    gated: bool,
+    config: Mapping[str, Any] | None,
+) -> torch.Tensor:
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    I = w2.shape[2]  # noqa: E741
+    cfg = moe_rows_config(config)
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).contiguous()
+    inter = torch.empty(T * K, I, dtype=x.dtype, device=x.device)
+    _moe_rows_up_kernel[(T * K, -(-I // cfg["up_block_n"]))](
+        x,
+        w13,
+        inter,
+        ids,
+        K,
+        H,
+        I,
+        *x.stride(),
+        *w13.stride(),
+        *inter.stride(),
+        GATED=gated,
+        ACTIVATION=ACTIVATIONS[activation],
+        BLOCK_N=cfg["up_block_n"],
+        BLOCK_K=cfg["block_k"],
+        num_warps=cfg["num_warps"],
+    )
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _moe_rows_down_kernel[(T, -(-H // cfg["down_block_n"]))](
+        inter,
+        w2,
+        out,
+        weights,
+        ids,
+        H,
+        I,
+        *inter.stride(),
+        *w2.stride(),
+        *out.stride(),
+        TOP_K=K,
+        BLOCK_N=cfg["down_block_n"],
+        BLOCK_K=cfg["block_k"],
+        num_warps=cfg["num_warps"],
+    )
+    return out

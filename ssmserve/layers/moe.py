@@ -18,6 +18,7 @@ through `ExpertCheckpointNames`; fused 3D tensors load whole.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from torch import nn
 
 from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.kernels import KernelOps
-from ssmserve.kernels.moe import ACTIVATIONS
+from ssmserve.kernels.moe import ACTIVATIONS, SCORING, moe_route_ref
 from ssmserve.layers.linear import (
     ReplicatedLinear,
     Segment,
@@ -36,8 +37,6 @@ from ssmserve.layers.linear import (
     replicated_parameter,
 )
 from ssmserve.layers.mlp import MLP, GatedMLP
-
-SCORING = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,7 @@ class Routing:
 def select_experts(
     logits: torch.Tensor, routing: Routing, correction_bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k experts of each token and their weights.
+    """Top-k experts of each token and their weights, in PyTorch (`moe_route_ref`).
 
     Args:
         logits: [T, E] router logits. correction_bias: [E] added to the scores to choose
@@ -90,24 +89,7 @@ def select_experts(
     Returns:
         weights [T, K] float32, ids [T, K] int64.
     """
-    logits = logits.float()
-    scores = logits.softmax(-1) if routing.scoring == "softmax" else logits.sigmoid()
-    choice = scores if correction_bias is None else scores + correction_bias.float()
-    if routing.num_groups > 1:
-        T, E = choice.shape
-        groups = choice.view(T, routing.num_groups, E // routing.num_groups)
-        # A group's score is the sum of its two best experts (DeepSeek-V3's rule).
-        group_scores = groups.topk(2, dim=-1).values.sum(-1)
-        kept = group_scores.topk(routing.topk_groups, dim=-1).indices
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
-        choice = groups.masked_fill(~keep[:, :, None], float("-inf")).view(T, E)
-    ids = choice.topk(routing.top_k, dim=-1).indices
-    weights = scores.gather(1, ids)
-    if routing.renormalize:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    if routing.routed_scaling_factor != 1.0:
-        weights = weights * routing.routed_scaling_factor
-    return weights, ids
+    return moe_route_ref(logits, correction_bias, **dataclasses.asdict(routing))
 
 
 def _load_expert_rows(param: torch.Tensor, loaded: torch.Tensor, shard_id) -> None:
@@ -255,6 +237,7 @@ class FusedMoE(nn.Module):
             )
         routing.check(num_experts)
         self.routing, self.ops, self.tp = routing, ops, tp
+        self._routing_kw = dataclasses.asdict(routing)
         self.activation, self.gated = activation, gated
         self.router_in_float32 = router_in_float32
         self.reduce_results = reduce_results
@@ -282,7 +265,9 @@ class FusedMoE(nn.Module):
             logits = F.linear(x.float(), self.router.weight.float())
         else:
             logits = F.linear(x, self.router.weight)
-        weights, ids = select_experts(logits, self.routing, self.router.e_score_correction_bias)
+        weights, ids = self.ops.moe_route(
+            logits, self.router.e_score_correction_bias, **self._routing_kw
+        )
         routed_in = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
         y = self.ops.fused_moe(
             routed_in,

@@ -134,8 +134,7 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
             x = self.self_attn(x, batch, cache.kv)
         else:
             x = self.mamba(x, batch, cache.state)
-        hidden = hidden + x * self.residual_multiplier
-        x = self.post_attention_layernorm(hidden)
+        x, hidden = self.post_attention_layernorm.add_forward(x * self.residual_multiplier, hidden)
         if self.block_sparse_moe is None:
             x = self.shared_mlp(x)
         else:

@@ -19,7 +19,7 @@ from triton_testing import DEVICE, requires_triton
 
 from ssmserve import LLM, SamplingParams
 from ssmserve.kernels._common import record_compile_keys
-from ssmserve.kernels.moe import fused_moe_triton
+from ssmserve.kernels.moe import fused_moe_triton, moe_route_triton
 from ssmserve.kernels.paged_attention import paged_attention_triton
 from ssmserve.kernels.selective_scan import selective_scan_varlen_triton
 from ssmserve.layers.batch import ForwardBatch
@@ -171,14 +171,14 @@ def test_selective_scan_of_any_batch_shares_one_kernel(snapshots):
 
 
 def test_moe_of_any_batch_keeps_to_its_launch_table():
-    """Mixture of experts over 1 to 40 tokens: one kernel per launch-table row."""
+    """Mixture of experts over 1 to 40 tokens: one kernel per launch-table row of the
+    sorted path, one for each of the per-assignment kernels and the router's top-k."""
     gen = seeded(2)
     H, I, E, K = 16, 16, 4, 2
     w13 = randn(E, 2 * I, H, gen=gen).to(DEVICE)
     w2 = randn(E, H, I, gen=gen).to(DEVICE)
     with record_compile_keys() as keys:
         for T in (1, 2, 3, 5, 9, 16, 40):
-            ids = torch.randint(0, E, (T, K), generator=gen).to(DEVICE)
-            weights = torch.rand(T, K, generator=gen).to(DEVICE)
+            weights, ids = moe_route_triton(randn(T, E, gen=gen).to(DEVICE), top_k=K)
             fused_moe_triton(randn(T, H, gen=gen).to(DEVICE), w13, w2, weights, ids)
     assert_within_bounds(keys)

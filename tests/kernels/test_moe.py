@@ -3,6 +3,7 @@ experts (float64), the Triton kernel against the twin (interpreter on CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,10 +12,14 @@ from kernel_testing import assert_close, randn, seeded
 from triton_testing import DEVICE, requires_triton
 
 from ssmserve.kernels.moe import (
+    ROWS_MAX_TOKENS,
     align_by_expert,
     fused_moe_ref,
     fused_moe_triton,
     moe_launch_config,
+    moe_route_ref,
+    moe_route_triton,
+    moe_rows_config,
 )
 from ssmserve.layers.moe import Routing, select_experts
 
@@ -167,8 +172,49 @@ def test_alignment_gives_each_block_one_expert_and_every_assignment_once(
             assert block.numel() > 0 and (ids.flatten()[block] == e).all(), (b, e)
 
 
-# (T, K, E): decode-sized, and enough rows per expert to take the wider launch configs
-TRITON_SHAPES = [(1, 2, 5), (7, 2, 4), (13, 1, 6), (40, 3, 4), (70, 2, 2)]
+@requires_triton
+@pytest.mark.parametrize("name", list(ROUTINGS))
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_triton_routing_matches_a_naive_sort(name, with_bias):
+    """Every routing variant, E not a power of two (and 40 experts in 4 groups of 10)."""
+    routing = ROUTINGS[name]
+    gen = seeded(1)
+    E = 40 if routing.num_groups > 1 else 13
+    if routing.num_groups > 1:
+        routing = dataclasses.replace(routing, num_groups=4, topk_groups=2, top_k=5)
+    logits = randn(9, E, gen=gen, scale=2.0)
+    logits[:, 3] -= 30.0
+    bias = randn(E, gen=gen, scale=0.1) if with_bias else None
+    kw = dataclasses.asdict(routing)
+    weights, ids = moe_route_triton(
+        logits.to(DEVICE), None if bias is None else bias.to(DEVICE), **kw
+    )
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    for t, row in enumerate(logits.tolist()):
+        chosen, ref_w = naive_route(row, routing, bias.tolist() if with_bias else None)
+        assert ids[t].tolist() == chosen, t  # best first
+        assert weights[t].tolist() == pytest.approx(ref_w, rel=1e-5, abs=1e-7), t
+    ref_weights, ref_ids = moe_route_ref(logits, bias, **kw)
+    assert torch.equal(ids.cpu(), ref_ids)
+    assert_close(weights.cpu(), ref_weights)
+
+
+@requires_triton
+def test_triton_routing_of_no_tokens_and_bad_arguments():
+    logits = torch.zeros(0, 6, device=DEVICE)
+    weights, ids = moe_route_triton(logits, top_k=2)
+    assert weights.shape == ids.shape == (0, 2)
+    with pytest.raises(ValueError, match="top_k = 7 must lie in"):
+        moe_route_triton(torch.zeros(2, 6, device=DEVICE), top_k=7)
+    with pytest.raises(ValueError, match="cannot form 4 groups"):
+        moe_route_triton(torch.zeros(2, 6, device=DEVICE), top_k=2, num_groups=4)
+    with pytest.raises(ValueError, match="scoring 'tanh'"):
+        moe_route_ref(torch.zeros(2, 6), top_k=2, scoring="tanh")
+
+
+# (T, K, E): decode-sized (the per-assignment kernels), and enough rows per expert to take
+# the sorted path's wider launch configs
+TRITON_SHAPES = [(1, 2, 5), (3, 3, 4), (7, 2, 4), (13, 1, 6), (40, 3, 4), (70, 2, 2)]
 
 
 @requires_triton
@@ -185,6 +231,37 @@ def test_triton_matches_twin_float32(T, K, E, gated, activation):
     args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
     kw = dict(activation=activation, gated=gated)
     assert_close(fused_moe_triton(*args, **kw), fused_moe_ref(*args, **kw))
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_assignment_and_sorted_paths_agree(dtype):
+    """The decode kernels against the sorted grouped GEMMs on the same call: tokens that
+    share an expert, an idle expert, a row stride that is not the hidden size, widths
+    that are not multiples of the tiles (pinned small to make several tiles)."""
+    gen = seeded(8)
+    T, K, E, H, I = ROWS_MAX_TOKENS, 3, 5, 44, 28  # noqa: E741
+    w13, w2 = expert_weights(E, H, I, True, gen, dtype=dtype)
+    wide = randn(T, H + 6, gen=gen, dtype=dtype)
+    logits = randn(T, E, gen=gen)
+    logits[:, 0] += 4.0  # every token routes to expert 0
+    logits[:, 4] -= 30.0  # none to expert 4
+    weights, ids = select_experts(logits, Routing(top_k=K))
+    args = [t.to(DEVICE) for t in (wide[:, 2 : 2 + H], w13, w2, weights, ids)]
+    tiles = {"up_block_n": 8, "down_block_n": 16, "block_k": 16}
+    rows = fused_moe_triton(*args, rows_config=tiles)
+    sorted_path = fused_moe_triton(*args, rows_max_tokens=0)
+    assert rows.dtype == dtype and rows.shape == (T, H)
+    assert_close(rows, sorted_path, dtype=dtype)
+    ref = fused_moe_ref(*(t.float() if t.is_floating_point() else t for t in args))
+    assert_close(rows, ref, dtype=dtype)
+    # A token's result does not depend on the others in the call.
+    one = [a[1:2] if a.dim() == 2 and a.shape[0] == T else a for a in args]
+    alone = fused_moe_triton(*one, rows_config=tiles)
+    assert torch.equal(rows[1:2], alone)
+    assert moe_rows_config({"num_warps": 2})["num_warps"] == 2
+    with pytest.raises(ValueError, match="unknown launch parameter"):
+        fused_moe_triton(*args, rows_config={"block_m": 16})
 
 
 @requires_triton
