@@ -72,6 +72,7 @@ class ModelRunner:
             init_dummy_weights(model, self.config.seed)
         else:
             load_weights(model, model_config.path)
+        model.fold_constants()
         return model.eval()
 
     # -- caches ---------------------------------------------------------------------

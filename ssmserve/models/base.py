@@ -87,6 +87,11 @@ class CausalLM(nn.Module):
     def final_norm(self) -> nn.Module:
         raise NotImplementedError
 
+    def fold_constants(self) -> None:
+        """Fold constant scales into the loaded weights, once, after loading (or dummy
+        init): a family with multipliers on linear outputs (Falcon-H1's µP) saves the
+        elementwise kernels they would cost in every step. Default: nothing."""
+
     # -- shared --------------------------------------------------------------------
 
     def make_lm_head(self, vocab_size: int, hidden_size: int) -> ParallelLMHead:

@@ -1,9 +1,12 @@
 """FalconH1ForCausalLM: in every layer attention (RoPE) and a Mamba2 mixer read the same
 normalised input side by side and both outputs join the residual; a SwiGLU MLP follows.
 
-µP multipliers, applied where transformers applies them: the embeddings, the SSM input
-and output, in_proj's five segments (`ssm_multipliers`, for z, x, B, C, dt), the
-attention input and output, the keys, the MLP's gate and output, and the logits. The
+µP multipliers: the embeddings, the SSM input and output, in_proj's five segments
+(`ssm_multipliers`, for z, x, B, C, dt), the attention input and output, the keys, the
+MLP's gate and output, and the logits. Those on a linear map's input or output are folded
+into its weights once they are loaded (`fold_constants`; float32 gives transformers'
+results to rounding), so a decode step runs no elementwise multiply for them; the keys'
+goes into the softmax scale, the embeddings' and the logits' stay (one multiply a step). The
 Mamba2 mixer has its own width (`mamba_d_ssm`) and its gated RMSNorm is optional
 (`mamba_rms_norm`, grouped by `mamba_n_groups`, `mamba_norm_before_gate`).
 """
@@ -48,8 +51,26 @@ class ScaledEmbedding(VocabParallelEmbedding):
         return _scaled(super().forward(ids), self.multiplier)
 
 
+@torch.no_grad()
+def _scale_rows(linear: nn.Module, scale: torch.Tensor | float, rows: slice = slice(None)) -> None:
+    """linear(x)[..., rows] * scale, folded into the weight (and bias) rows."""
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=linear.weight.device)
+    w = linear.weight[rows]
+    w.copy_(w.float() * scale.reshape(-1, 1))
+    if linear.bias is not None:
+        b = linear.bias[rows]
+        b.copy_(b.float() * scale.reshape(-1))
+
+
+@torch.no_grad()
+def _scale_input(linear: nn.Module, scale: float) -> None:
+    """linear(x * scale), folded into the weight (the bias is not scaled)."""
+    linear.weight.copy_(linear.weight.float() * scale)
+
+
 class FalconH1MLP(GatedMLP):
-    """down(up(x) * act(gate(x) * gate_multiplier)) * down_multiplier."""
+    """down(up(x) * act(gate(x) * gate_multiplier)) * down_multiplier; the multipliers go
+    into the gate rows and down's weights (`fold_multipliers`), which leaves a SwiGLU."""
 
     def __init__(self, cfg, tp: TensorParallel, ops: KernelOps) -> None:
         super().__init__(
@@ -57,7 +78,15 @@ class FalconH1MLP(GatedMLP):
         )
         self.gate_multiplier, self.down_multiplier = (float(m) for m in cfg.mlp_multipliers)
 
+    def fold_multipliers(self) -> None:
+        gate_rows = slice(0, self.gate_up_proj.output_sizes[0])
+        _scale_rows(self.gate_up_proj, self.gate_multiplier, gate_rows)
+        _scale_rows(self.down_proj, self.down_multiplier)
+        self.gate_multiplier = self.down_multiplier = 1.0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_multiplier == self.down_multiplier == 1.0:
+            return super().forward(x)
         gate, up = self.gate_up_proj(x).split(self.gate_up_proj.output_sizes, dim=-1)
         y = up * self.act(_scaled(gate, self.gate_multiplier))
         return _scaled(self.down_proj(y), self.down_multiplier)
@@ -109,6 +138,21 @@ class FalconH1DecoderLayer(nn.Module):
     def cache_spec(self) -> LayerCacheSpec:
         return LayerCacheSpec(kv=self.self_attn.cache_spec(), state=self.mamba.cache_spec())
 
+    def fold_multipliers(self) -> None:
+        """The SSM and attention input/output multipliers and in_proj's segment
+        multipliers into the projections' weights; afterwards they are all 1."""
+        mamba = self.mamba
+        _scale_input(mamba.in_proj, self.ssm_in_multiplier)
+        if mamba.in_proj_scale is not None:
+            _scale_rows(mamba.in_proj, mamba.in_proj_scale)
+            mamba.in_proj_scale = None
+        _scale_rows(mamba.out_proj, self.ssm_out_multiplier)
+        _scale_input(self.self_attn.qkv_proj, self.attention_in_multiplier)
+        _scale_rows(self.self_attn.o_proj, self.attention_out_multiplier)
+        self.ssm_in_multiplier = self.ssm_out_multiplier = 1.0
+        self.attention_in_multiplier = self.attention_out_multiplier = 1.0
+        self.feed_forward.fold_multipliers()
+
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
         x = self.input_layernorm(hidden)
         ssm = self.mamba(_scaled(x, self.ssm_in_multiplier), batch, cache.state)
@@ -145,6 +189,11 @@ class FalconH1ForCausalLM(CausalLM):
 
     def final_norm(self) -> nn.Module:
         return self.model.final_layernorm
+
+    def fold_constants(self) -> None:
+        layers = self.decoder_layers()
+        for i in self.stage.layers:
+            layers[i].fold_multipliers()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return _scaled(super().compute_logits(hidden), self.lm_head_multiplier)
