@@ -282,3 +282,27 @@ class QKVParallelLinear(ColumnParallelLinear):
             head_segment(kv, head_dim, num_kv_heads),
         ]
         super().__init__(hidden_size, segments, bias, ops)
+
+
+# Folding constant scales into loaded weights (a family's `fold_constants`): computed in
+# float32 and rounded once to the weight's dtype.
+
+
+@torch.no_grad()
+def scale_output_rows(
+    linear: nn.Module, scale: torch.Tensor | float, rows: slice = slice(None)
+) -> None:
+    """linear(x)[..., rows] * scale (a scalar or one value per row), folded into the
+    weight (and bias) rows."""
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=linear.weight.device)
+    w = linear.weight[rows]
+    w.copy_(w.float() * scale.reshape(-1, 1))
+    if linear.bias is not None:
+        b = linear.bias[rows]
+        b.copy_(b.float() * scale.reshape(-1))
+
+
+@torch.no_grad()
+def scale_input(linear: nn.Module, scale: float) -> None:
+    """linear(x * scale), folded into the weight (the bias is not scaled)."""
+    linear.weight.copy_(linear.weight.float() * scale)

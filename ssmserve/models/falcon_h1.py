@@ -22,6 +22,7 @@ from ssmserve.layers.attention import Attention
 from ssmserve.layers.batch import ForwardBatch
 from ssmserve.layers.cache import LayerCache, LayerCacheSpec
 from ssmserve.layers.embed import VocabParallelEmbedding
+from ssmserve.layers.linear import scale_input, scale_output_rows
 from ssmserve.layers.mamba2_mixer import Mamba2Mixer
 from ssmserve.layers.mlp import GatedMLP
 from ssmserve.layers.norm import RMSNorm
@@ -51,23 +52,6 @@ class ScaledEmbedding(VocabParallelEmbedding):
         return _scaled(super().forward(ids), self.multiplier)
 
 
-@torch.no_grad()
-def _scale_rows(linear: nn.Module, scale: torch.Tensor | float, rows: slice = slice(None)) -> None:
-    """linear(x)[..., rows] * scale, folded into the weight (and bias) rows."""
-    scale = torch.as_tensor(scale, dtype=torch.float32, device=linear.weight.device)
-    w = linear.weight[rows]
-    w.copy_(w.float() * scale.reshape(-1, 1))
-    if linear.bias is not None:
-        b = linear.bias[rows]
-        b.copy_(b.float() * scale.reshape(-1))
-
-
-@torch.no_grad()
-def _scale_input(linear: nn.Module, scale: float) -> None:
-    """linear(x * scale), folded into the weight (the bias is not scaled)."""
-    linear.weight.copy_(linear.weight.float() * scale)
-
-
 class FalconH1MLP(GatedMLP):
     """down(up(x) * act(gate(x) * gate_multiplier)) * down_multiplier; the multipliers go
     into the gate rows and down's weights (`fold_multipliers`), which leaves a SwiGLU."""
@@ -80,8 +64,8 @@ class FalconH1MLP(GatedMLP):
 
     def fold_multipliers(self) -> None:
         gate_rows = slice(0, self.gate_up_proj.output_sizes[0])
-        _scale_rows(self.gate_up_proj, self.gate_multiplier, gate_rows)
-        _scale_rows(self.down_proj, self.down_multiplier)
+        scale_output_rows(self.gate_up_proj, self.gate_multiplier, gate_rows)
+        scale_output_rows(self.down_proj, self.down_multiplier)
         self.gate_multiplier = self.down_multiplier = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,13 +126,13 @@ class FalconH1DecoderLayer(nn.Module):
         """The SSM and attention input/output multipliers and in_proj's segment
         multipliers into the projections' weights; afterwards they are all 1."""
         mamba = self.mamba
-        _scale_input(mamba.in_proj, self.ssm_in_multiplier)
+        scale_input(mamba.in_proj, self.ssm_in_multiplier)
         if mamba.in_proj_scale is not None:
-            _scale_rows(mamba.in_proj, mamba.in_proj_scale)
+            scale_output_rows(mamba.in_proj, mamba.in_proj_scale)
             mamba.in_proj_scale = None
-        _scale_rows(mamba.out_proj, self.ssm_out_multiplier)
-        _scale_input(self.self_attn.qkv_proj, self.attention_in_multiplier)
-        _scale_rows(self.self_attn.o_proj, self.attention_out_multiplier)
+        scale_output_rows(mamba.out_proj, self.ssm_out_multiplier)
+        scale_input(self.self_attn.qkv_proj, self.attention_in_multiplier)
+        scale_output_rows(self.self_attn.o_proj, self.attention_out_multiplier)
         self.ssm_in_multiplier = self.ssm_out_multiplier = 1.0
         self.attention_in_multiplier = self.attention_out_multiplier = 1.0
         self.feed_forward.fold_multipliers()

@@ -4,7 +4,8 @@ over the chosen) plus a shared SwiGLU MLP, or by the shared MLP alone when
 `num_local_experts` is 0. µP-style multipliers: embeddings times `embedding_multiplier`,
 each residual branch times `residual_multiplier`, attention scale `attention_multiplier`,
 logits divided by `logits_scaling`. Attention uses RoPE only when `position_embedding_type`
-is "rope"."""
+is "rope". The residual multiplier is folded into the weights of each branch's last
+projection once they are loaded (`fold_constants`), so decode runs no multiply for it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ssmserve.layers.attention import Attention
 from ssmserve.layers.batch import ForwardBatch
 from ssmserve.layers.cache import LayerCache, LayerCacheSpec
 from ssmserve.layers.embed import VocabParallelEmbedding
+from ssmserve.layers.linear import scale_output_rows
 from ssmserve.layers.mlp import GatedMLP
 from ssmserve.layers.moe import FusedMoE, Routing
 from ssmserve.layers.norm import RMSNorm
@@ -128,18 +130,34 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
             return LayerCacheSpec(kv=self.self_attn.cache_spec())
         return LayerCacheSpec(state=self.mamba.cache_spec())
 
+    @torch.no_grad()
+    def fold_multipliers(self) -> None:
+        """residual_multiplier into the mixer's output projection, the experts' down
+        projections and the shared MLP's; afterwards it is 1."""
+        m = self.residual_multiplier
+        mixer_out = self.self_attn.o_proj if self.kind == "attention" else self.mamba.out_proj
+        scale_output_rows(mixer_out, m)
+        scale_output_rows(self.shared_mlp.down_proj, m)
+        if self.block_sparse_moe is not None:
+            down = self.block_sparse_moe.experts.down_proj
+            down.copy_(down.float() * m)
+        self.residual_multiplier = 1.0
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
+
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
         x = self.input_layernorm(hidden)
         if self.kind == "attention":
             x = self.self_attn(x, batch, cache.kv)
         else:
             x = self.mamba(x, batch, cache.state)
-        x, hidden = self.post_attention_layernorm.add_forward(x * self.residual_multiplier, hidden)
+        x, hidden = self.post_attention_layernorm.add_forward(self._scaled(x), hidden)
         if self.block_sparse_moe is None:
             x = self.shared_mlp(x)
         else:
             x = self.tp.all_reduce(self.block_sparse_moe(x) + self.shared_mlp(x))
-        return hidden + x * self.residual_multiplier
+        return hidden + self._scaled(x)
 
 
 class GraniteMoeHybridForCausalLM(CausalLM):
@@ -168,6 +186,11 @@ class GraniteMoeHybridForCausalLM(CausalLM):
 
     def final_norm(self) -> nn.Module:
         return self.model.norm
+
+    def fold_constants(self) -> None:
+        layers = self.decoder_layers()
+        for i in self.stage.layers:
+            layers[i].fold_multipliers()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) / self.logits_scaling
