@@ -23,7 +23,7 @@ from ssmserve import LLM, SamplingParams
 from ssmserve.config import EngineConfig
 from ssmserve.engine.engine import LLMEngine
 from ssmserve.layers.batch import ForwardBatch, StepInputs
-from ssmserve.layers.cache import snapshot_conv_states
+from ssmserve.layers.cache import conv_snapshot_sources, snapshot_conv_states
 
 FAMILIES = ["bamba", "mamba2", "mamba", "falcon_mamba", "llama"]
 HAS_KV = {"bamba", "llama"}
@@ -211,15 +211,25 @@ def test_conv_snapshots_are_the_last_inputs_before_the_boundary():
     conv = torch.randn(8, Cd, K - 1, generator=gen)
     before = conv.clone()
     cu = torch.tensor([0, 6, 8, 17], dtype=torch.int32)
-    snaps = [(0, 1, 3), (0, 5, 4), (1, 2, 5), (2, 2, 6), (2, 9, 7)]
-    seqs, lens, rows = (torch.tensor(c) for c in zip(*snaps))
-    snapshot_conv_states(x, conv, cu, torch.tensor(slots), torch.tensor(init), (seqs, lens, rows))
-    for s, k, row in snaps:
-        start = int(cu[s])
-        context = before[slots[s]] if init[s] else torch.zeros(Cd, K - 1)
-        inputs = torch.cat([context, x[start : start + k].t()], dim=1)
-        assert torch.equal(conv[row], inputs[:, -(K - 1) :]), (s, k)
-    assert torch.equal(conv[:3], before[:3]), "the slots are left to the conv kernel"
+    # The first set reaches back into the slots' states; the second (every k >= K - 1)
+    # takes the path that reads the inputs only.
+    for snaps, reaches_state in (
+        ([(0, 1, 3), (0, 5, 4), (1, 2, 5), (2, 2, 6), (2, 9, 7)], True),
+        ([(0, 3, 3), (0, 6, 4), (2, 4, 6), (2, 9, 7)], False),
+    ):
+        conv = before.clone()
+        seqs, lens, rows = (torch.tensor(c) for c in zip(*snaps))
+        sources = conv_snapshot_sources(
+            cu, torch.tensor(slots), torch.tensor(init), (seqs, lens, rows), K - 1, reaches_state
+        )
+        assert (sources.from_state is None) == (not reaches_state)
+        snapshot_conv_states(x, conv, sources)
+        for s, k, row in snaps:
+            start = int(cu[s])
+            context = before[slots[s]] if init[s] else torch.zeros(Cd, K - 1)
+            inputs = torch.cat([context, x[start : start + k].t()], dim=1)
+            assert torch.equal(conv[row], inputs[:, -(K - 1) :]), (s, k)
+        assert torch.equal(conv[:3], before[:3]), "the slots are left to the conv kernel"
 
 
 def test_packed_step_carries_the_cache_work():
@@ -235,6 +245,7 @@ def test_packed_step_carries_the_cache_work():
     assert copies.restore_rows.tolist() == [6] and copies.restore_slots.tolist() == [1]
     assert copies.block_sources.tolist() == [2] and copies.block_destinations.tolist() == [3]
     assert [t.tolist() for t in batch.snapshots_p] == [[0], [2], [7]]
+    assert batch.snapshot_lens_host == (2,)
     plain = ForwardBatch.from_packed(StepInputs(logits_indices=[0]).pack(), torch.device("cpu"))
     assert plain.cache_copies is None and plain.snapshots_p is None
 

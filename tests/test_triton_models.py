@@ -9,9 +9,12 @@ import functools
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ssmserve import LLM, SamplingParams
+from ssmserve.kernels import _common
 from ssmserve.kernels._common import record_compile_keys
+from tests.tiny_models import make_tiny_checkpoint
 from tests.triton_interpreter import interpreter_mode
 
 pytest.importorskip("triton", reason="triton is not installed")
@@ -115,3 +118,87 @@ def test_fused_mamba2_decode_gives_the_tokens_of_the_unfused_kernels(
     assert "_mamba2_decode_kernel" in fused_keys and "_conv1d_update_kernel" not in fused_keys
     assert "_mamba2_decode_kernel" not in unfused_keys and "_state_update_kernel" in unfused_keys
     assert_same_greedy_outputs(unfused_out, fused)
+
+
+class DeviceWork(TorchDispatchMode):
+    """Counts the PyTorch ops that launch device work (not views, allocations or ops that
+    hand back their input) and the Triton launches: on a GPU each is a kernel launch the
+    host pays for, and a batch-1 prefill of a many-layer model is bound by them."""
+
+    ALLOCATIONS = {"aten::empty", "aten::empty_like", "aten::new_empty", "aten::empty_strided"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.launches = 0
+        self.in_launch = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.in_launch and not func.is_view and func._schema.name not in self.ALLOCATIONS:
+            inputs = {id(a) for a in args if isinstance(a, torch.Tensor)}
+            if func._schema.is_mutable or not (isinstance(out, torch.Tensor) and id(out) in inputs):
+                self.ops += 1
+        return out
+
+    def launch(self, kernel):
+        def counted(*args, **kwargs):
+            self.launches += 1
+            self.in_launch = True  # the interpreter's own tensor work is not the host's
+            try:
+                return kernel(*args, **kwargs)
+            finally:
+                self.in_launch = False
+
+        return counted
+
+
+def forwards_of_one_prompt(llm: LLM, prompt: list[int], monkeypatch) -> list[tuple[int, int, int]]:
+    """(tokens, PyTorch ops, Triton launches) of each forward that runs the prompt."""
+    runner = llm.llm_engine.executor.runner
+    execute, getitem = runner.execute, _common.LazyKernel.__getitem__
+    counts, current = [], []
+
+    def counted_execute(packed, *args, **kwargs):
+        with DeviceWork() as work:
+            current[:] = [work]
+            out = execute(packed, *args, **kwargs)
+        counts.append((int(packed[0]), work.ops, work.launches))
+        return out
+
+    def counted_getitem(kernel, grid):
+        launch = getitem(kernel, grid)
+        return current[0].launch(launch) if current else launch
+
+    monkeypatch.setattr(runner, "execute", counted_execute)
+    monkeypatch.setattr(_common.LazyKernel, "__getitem__", counted_getitem)
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2), use_tqdm=False)
+    monkeypatch.undo()
+    return counts
+
+
+@pytest.mark.parametrize("family", ["mamba2", "falcon_mamba"])
+def test_prefix_caching_costs_a_few_kernels_per_layer_not_per_checkpoint(
+    tmp_path, family, monkeypatch
+):
+    """A prefill with caching on writes its checkpoints (3 here) with the launches of one
+    without (the scans write the SSM states themselves) and two more kernels per SSM layer
+    for the conv states, plus a few per step; the prompt takes one step more (its last
+    token, so a repeat resumes from the state before it), no more. Before, each layer
+    spent about 40 kernels on it at any number of checkpoints: 2.5x the prefill's."""
+    num_layers = 6
+    path = make_tiny_checkpoint(str(tmp_path), family, seed=0, num_hidden_layers=num_layers)
+    prompt = [5 + i % 200 for i in range(3 * 16 + 5)]  # three 16-token intervals and more
+    common = dict(
+        device=DEVICE, dtype="float32", enforce_eager=True, cache_memory=2**28,
+        kernel_backend="triton", prefix_checkpoint_interval=16,
+    )  # fmt: skip
+    off = forwards_of_one_prompt(
+        LLM(path, enable_prefix_caching=False, **common), prompt, monkeypatch
+    )
+    on = forwards_of_one_prompt(LLM(path, **common), prompt, monkeypatch)
+    assert [tokens for tokens, _, _ in off] == [len(prompt), 1]
+    assert [tokens for tokens, _, _ in on] == [len(prompt) - 1, 1, 1]
+    (_, ops_off, launches_off), (_, ops_on, launches_on) = off[0], on[0]
+    assert launches_on == launches_off
+    assert ops_on - ops_off <= 2 * num_layers + 8, (ops_off, ops_on)

@@ -172,9 +172,10 @@ def _first_order_combine(decay_1, value_1, decay_2, value_2):
         "cu_seqlens_ptr",
         "state_slots_ptr",
         "has_init_ptr",
-        "snapshot_first_ptr",
+        "snapshot_seqs_ptr",
         "snapshot_lens_ptr",
         "snapshot_slots_ptr",
+        "num_snapshots",
     )
 )
 def _selective_scan_kernel(
@@ -191,9 +192,10 @@ def _selective_scan_kernel(
     cu_seqlens_ptr,
     state_slots_ptr,
     has_init_ptr,
-    snapshot_first_ptr,
+    snapshot_seqs_ptr,
     snapshot_lens_ptr,
     snapshot_slots_ptr,
+    num_snapshots,
     Dm,
     N,
     stride_u_t,
@@ -219,6 +221,7 @@ def _selective_scan_kernel(
     DELTA_SOFTPLUS: tl.constexpr,
     FAST_LOG: tl.constexpr,
     HAS_SNAPSHOTS: tl.constexpr,
+    BLOCK_SNAPSHOTS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -277,10 +280,17 @@ def _selective_scan_kernel(
         z_ptrs = z_ptr + rows[:, None] * stride_z_t + offs_d[None, :] * stride_z_d
         z_next = tl.load(z_ptrs, mask=mask_td, other=0.0)
     if HAS_SNAPSHOTS:
-        # This sequence's snapshots, sorted by length: the next one's length, or one that
-        # no block reaches when there is none.
-        snapshot = tl.load(snapshot_first_ptr + seq)
-        snapshot_end = tl.load(snapshot_first_ptr + seq + 1)
+        # This sequence's snapshots are entries snapshot:snapshot_end (they are sorted by
+        # sequence, then length): counted here, so the launcher needs no search kernel.
+        snapshot = 0
+        snapshot_end = 0
+        for m0 in range(0, num_snapshots, BLOCK_SNAPSHOTS):
+            offs_m = m0 + tl.arange(0, BLOCK_SNAPSHOTS)
+            mask_m = offs_m < num_snapshots
+            snap_seq = tl.load(snapshot_seqs_ptr + offs_m, mask=mask_m, other=0)
+            snapshot += tl.sum((mask_m & (snap_seq < seq)).to(tl.int32), 0)
+            snapshot_end += tl.sum((mask_m & (snap_seq <= seq)).to(tl.int32), 0)
+        # The next one's length, or one that no block reaches when there is none.
         next_len = tl.load(
             snapshot_lens_ptr + snapshot, mask=snapshot < snapshot_end, other=end - start + BLOCK_T
         )
@@ -409,6 +419,11 @@ def scan_launch_config(
     return cfg
 
 
+# Snapshots per step of the scan kernel's count of each sequence's own: one step for up
+# to 64 (a 16k-token prefill at 256-token checkpoints).
+_SNAPSHOT_BLOCK = 64
+
+
 def selective_scan_varlen_triton(
     u: torch.Tensor,
     delta: torch.Tensor,
@@ -441,11 +456,6 @@ def selective_scan_varlen_triton(
     y = torch.empty_like(u)
     if S == 0:
         return y
-    snapshot_first = None
-    if num_snapshots:
-        # Sequence s's snapshots are entries snapshot_first[s]:snapshot_first[s + 1].
-        bounds = torch.arange(S + 1, device=u.device, dtype=snapshot_seqs.dtype)
-        snapshot_first = torch.searchsorted(snapshot_seqs, bounds).to(torch.int32)
     cfg = scan_launch_config(S, Dm, N, u.device, config)
     if cfg["float_bc"]:
         B, C = B.float(), C.float()
@@ -464,9 +474,10 @@ def selective_scan_varlen_triton(
         cu_seqlens,
         state_slots,
         has_initial_state.to(torch.int8),
-        snapshot_first,
+        snapshot_seqs,
         snapshot_lens,
         snapshot_slots,
+        num_snapshots,
         Dm,
         N,
         *u.stride(),
@@ -483,6 +494,7 @@ def selective_scan_varlen_triton(
         DELTA_SOFTPLUS=delta_softplus,
         FAST_LOG=not interpret_mode(),
         HAS_SNAPSHOTS=num_snapshots > 0,
+        BLOCK_SNAPSHOTS=_SNAPSHOT_BLOCK,
         BLOCK_T=cfg["block_t"],
         BLOCK_D=cfg["block_d"],
         BLOCK_N=next_pow2(N),

@@ -243,6 +243,11 @@ def ssd_scan_varlen_ref(
         "chunk_len_ptr",
         "chunk_seq_ptr",
         "num_seqs",
+        "snapshot_seqs_ptr",
+        "snapshot_lens_ptr",
+        "snapshot_rows_ptr",
+        "snapshot_row_ptr",
+        "num_snapshots",
     )
 )
 def _ssd_chunk_cumsum_kernel(
@@ -257,7 +262,12 @@ def _ssd_chunk_cumsum_kernel(
     chunk_len_ptr,
     chunk_seq_ptr,
     seq_first_chunk_ptr,
+    snapshot_seqs_ptr,
+    snapshot_lens_ptr,
+    snapshot_rows_ptr,
+    snapshot_row_ptr,
     num_seqs,
+    num_snapshots,
     H,
     dt_min,
     dt_max,
@@ -267,6 +277,7 @@ def _ssd_chunk_cumsum_kernel(
     DT_SOFTPLUS: tl.constexpr,
     CLAMP_DT: tl.constexpr,
     HAS_START_POS: tl.constexpr,
+    HAS_SNAPSHOTS: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_SEQ: tl.constexpr,
@@ -283,6 +294,8 @@ def _ssd_chunk_cumsum_kernel(
     start = 0
     end = 0
     seq = -1
+    seq_offset = 0  # the owner's first-token position mod CHUNK
+    index_in_seq = 0  # which of its owner's chunks this one is
     chunks_before = 0
     for s0 in range(0, num_seqs, BLOCK_SEQ):
         offs_s = s0 + tl.arange(0, BLOCK_SEQ)
@@ -304,6 +317,8 @@ def _ssd_chunk_cumsum_kernel(
             tl.where(owner, tl.minimum(seq_end, seq_start + (k + 1) * CHUNK - offset), 0), 0
         )
         seq = tl.maximum(seq, tl.max(tl.where(owner, offs_s, -1), 0))
+        seq_offset += tl.sum(tl.where(owner, offset, 0), 0)
+        index_in_seq += tl.sum(tl.where(owner, k, 0), 0)
         tl.store(seq_first_chunk_ptr + offs_s, first_chunk, mask=mask_s & first_program)
         chunks_before += tl.sum(num_chunks, 0)
     length = tl.maximum(end - start, 0)
@@ -311,6 +326,20 @@ def _ssd_chunk_cumsum_kernel(
     tl.store(chunk_len_ptr + chunk, length, mask=pid_h == 0)
     tl.store(chunk_seq_ptr + chunk, seq, mask=pid_h == 0)
     tl.store(seq_first_chunk_ptr + num_seqs, chunks_before, mask=first_program)
+    if HAS_SNAPSHOTS:
+        # The checkpoint row this chunk's end state goes to (-1: none): a snapshot of
+        # sequence s after n tokens ends s's chunk cdiv(offset_s + n, CHUNK) - 1.
+        row = -1
+        for m0 in range(0, num_snapshots, BLOCK_SEQ):
+            offs_m = m0 + tl.arange(0, BLOCK_SEQ)
+            mask_m = offs_m < num_snapshots
+            snap_seq = tl.load(snapshot_seqs_ptr + offs_m, mask=mask_m, other=-1).to(tl.int32)
+            snap_len = tl.load(snapshot_lens_ptr + offs_m, mask=mask_m, other=0).to(tl.int32)
+            snap_row = tl.load(snapshot_rows_ptr + offs_m, mask=mask_m, other=-1).to(tl.int32)
+            ends_here = (seq_offset + snap_len + CHUNK - 1) // CHUNK - 1 == index_in_seq
+            match = mask_m & (snap_seq == seq) & ends_here
+            row = tl.maximum(row, tl.max(tl.where(match, snap_row, -1), 0))
+        tl.store(snapshot_row_ptr + chunk, row, mask=pid_h == 0)
 
     offs_l = tl.arange(0, CHUNK)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -736,6 +765,11 @@ def _chunk_layout(
     chunk: int,
     dt_softplus: bool,
     dt_limit: tuple[float, float],
+    snapshots: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] = (
+        None,
+        None,
+        None,
+    ),
 ) -> dict[str, torch.Tensor]:
     """Chunks of the packed sequences, on the device (launch 1 of the scan).
 
@@ -743,7 +777,9 @@ def _chunk_layout(
     chunks have chunk_seq -1), seq_first_chunk ([S + 1] int32: sequence s owns chunk ids
     seq_first_chunk[s]:seq_first_chunk[s + 1]), and dt (processed) and cum (its
     chunk-local cumsum of dt * A * log2(e): decays are exp2 of differences), both
-    [num_chunk_ids, H, chunk] float32, zero dt past a chunk's end.
+    [num_chunk_ids, H, chunk] float32, zero dt past a chunk's end. With snapshots
+    (seqs, lens, rows; at least one), also snapshot_row ([num_chunk_ids] int32): the
+    state row each chunk's end state goes to (-1: none), made in the same launch.
     """
     T, H = dt.shape
     S = cu_seqlens.shape[0] - 1
@@ -757,6 +793,11 @@ def _chunk_layout(
     cum_buf = torch.empty_like(dt_buf)
     lo, hi = dt_limit
     block_h = min(16, next_pow2(H))
+    snap_seqs, snap_lens, snap_rows = snapshots
+    num_snapshots = snap_seqs.shape[0] if snap_seqs is not None else 0
+    snapshot_row = None
+    if num_snapshots:
+        snapshot_row = torch.empty(num_chunk_ids, dtype=torch.int32, device=dev)
     _ssd_chunk_cumsum_kernel[(num_chunk_ids, triton.cdiv(H, block_h))](
         dt,
         A,
@@ -769,7 +810,12 @@ def _chunk_layout(
         meta[1],
         meta[2],
         seq_first_chunk,
+        snap_seqs if num_snapshots else None,
+        snap_lens if num_snapshots else None,
+        snap_rows if num_snapshots else None,
+        snapshot_row,
         S,
+        num_snapshots,
         H,
         float(lo),
         float(hi),
@@ -778,11 +824,12 @@ def _chunk_layout(
         DT_SOFTPLUS=dt_softplus,
         CLAMP_DT=lo > 0.0 or hi < math.inf,
         HAS_START_POS=start_positions is not None,
+        HAS_SNAPSHOTS=num_snapshots > 0,
         CHUNK=chunk,
         BLOCK_H=block_h,
         BLOCK_SEQ=_CUMSUM_BLOCK_SEQ,
     )
-    return dict(
+    layout = dict(
         chunk_start=meta[0],
         chunk_len=meta[1],
         chunk_seq=meta[2],
@@ -790,6 +837,9 @@ def _chunk_layout(
         dt=dt_buf,
         cum=cum_buf,
     )
+    if snapshot_row is not None:
+        layout["snapshot_row"] = snapshot_row
+    return layout
 
 
 def _prepare(
@@ -843,18 +893,8 @@ def _prepare(
     if state_slots.shape[0] == 0:
         return y, chunk, None
     layout = _chunk_layout(
-        dt, A, dt_bias, cu_seqlens, start_positions, chunk, dt_softplus, dt_limit
+        dt, A, dt_bias, cu_seqlens, start_positions, chunk, dt_softplus, dt_limit, snapshots
     )
-    seqs, lens, rows = snapshots
-    if seqs is not None and seqs.shape[0] > 0:
-        # The chunk a snapshot ends: the sequence's first chunk is shortened by its start
-        # position mod chunk, so its k-th chunk ends (k + 1) * chunk - offset tokens in.
-        seqs = seqs.long()
-        offset = 0 if start_positions is None else start_positions.long()[seqs] % chunk
-        ends = layout["seq_first_chunk"].long()[seqs] + (offset + lens.long() + chunk - 1) // chunk
-        snapshot_row = torch.full_like(layout["chunk_len"], -1)
-        snapshot_row[ends - 1] = rows.to(snapshot_row.dtype)
-        layout["snapshot_row"] = snapshot_row
     return y, chunk, layout
 
 

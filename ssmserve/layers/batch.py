@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 
+from ssmserve.layers.cache import ConvSnapshotSources, conv_snapshot_sources
+
 # Header of a packed step: sizes first, then the flat parts in `pack` order.
 HEADER = (
     "num_tokens",
@@ -182,13 +184,39 @@ class ForwardBatch:
     # SSM layers write at chunk boundaries, sorted by sequence then tokens.
     cache_copies: CacheCopies | None = None
     snapshots_p: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # The snapshots' tokens into their chunk on the host (empty when not known there).
+    snapshot_lens_host: tuple[int, ...] = ()
     # Input tokens still to fill in from the step before's sampled ids on the device:
     # (token indices, sampled rows); None when there are none.
     fills: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    # conv width -> the step's conv snapshot sources, made by the first layer that asks.
+    _conv_snapshots: dict[int, ConvSnapshotSources] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+    def conv_snapshots(self, width: int) -> ConvSnapshotSources:
+        """Where this step's conv-state snapshots (`snapshots_p`, which must be set) come
+        from for conv states of `width` columns: made once per step and shared by its SSM
+        layers, which then make each snapshot with two kernels, not a dozen."""
+        sources = self._conv_snapshots.get(width)
+        if sources is None:
+            nd = self.num_decodes
+            lens = self.snapshot_lens_host
+            sources = conv_snapshot_sources(
+                self.query_start_loc_p,
+                self.state_slots[nd:],
+                self.has_initial_state[nd:],
+                self.snapshots_p,
+                width,
+                reaches_state=not lens or min(lens) < width,
+            )
+            self._conv_snapshots[width] = sources
+        return sources
 
     @property
     def num_seqs(self) -> int:
@@ -229,12 +257,14 @@ class ForwardBatch:
         ids, pos, slots, qsl, lens, ctx, state, rows, tables = parts[:9]
         copies = CacheCopies(*parts[9:15]) if n_save + n_restore + n_copy else None
         qsl = qsl.to(torch.int32)
-        qsl_host, ctx_host = (), ()
+        qsl_host, ctx_host, snap_lens_host = (), (), ()
         if host is not None:
             offset = HEADER_LEN + 3 * T
             qsl_host = tuple(host[offset : offset + S + 1].tolist())
             offset += S + 1 + S
             ctx_host = tuple(host[offset : offset + S].tolist())
+            offset = HEADER_LEN + sum(sizes[:16])  # the snapshots' lens
+            snap_lens_host = tuple(host[offset : offset + n_snap].tolist())
         return cls(
             input_ids=ids,
             positions=pos,
@@ -252,5 +282,6 @@ class ForwardBatch:
             context_lens_host=ctx_host,
             cache_copies=copies,
             snapshots_p=tuple(parts[15:18]) if n_snap else None,
+            snapshot_lens_host=snap_lens_host,
             fills=tuple(parts[18:20]) if n_fill else None,
         )

@@ -142,33 +142,63 @@ def apply_cache_copies(caches: list[LayerCache], copies: CacheCopies) -> None:
                 t.index_copy_(0, destinations, t.index_select(0, sources))
 
 
-def snapshot_conv_states(
-    x: torch.Tensor,
-    conv_state: torch.Tensor,
+class ConvSnapshotSources(NamedTuple):
+    """Where each conv-state snapshot of a step comes from, for one conv width: the same
+    for every SSM layer of the step, so it is made once (`ForwardBatch.conv_snapshots`)
+    and each layer's `snapshot_conv_states` is a gather and a scatter, plus four
+    kernels only where a snapshot reaches back into its slot's state."""
+
+    rows: torch.Tensor  # [M] checkpoint rows written
+    token_index: torch.Tensor  # [M * (K-1)] input row of each state column (clamped to 0)
+    # None when every column comes from the step's inputs; else (from_input [M, 1, K-1]
+    # bool, slot [M] read, column [M, 1, K-1] of the slot's state, has_state [M, 1, 1]).
+    from_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+
+
+def conv_snapshot_sources(
     cu_seqlens: torch.Tensor,
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
     snapshots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-) -> None:
-    """Write the conv state at chunk boundaries inside prefill sequences into checkpoint
-    rows, before the varlen conv overwrites the slots' states.
+    width: int,
+    reaches_state: bool = True,
+) -> ConvSnapshotSources:
+    """The sources of the conv states at chunk boundaries inside prefill sequences.
 
     The conv state after k tokens of sequence s is its last K-1 inputs: rows
     x[start_s + k - K + 1 : start_s + k], reaching back into the slot's state (zeros
-    without one) where k < K - 1. x: [T, Cd] the conv inputs of the prefill sequences;
-    conv_state: [rows, Cd, K-1]; snapshots: (sequence index, k, row), each [M]. Device
-    ops only (no host sync).
+    without one) where k < K - 1. cu_seqlens, state_slots, has_initial_state: the
+    prefill sequences'; snapshots: (sequence index, k, row), each [M]; width: K - 1.
+    `reaches_state=False` promises every k >= K - 1 (known on the host), which leaves
+    the slot's state out. Device ops only (no host sync).
     """
     seqs, lens, rows = snapshots
-    width = conv_state.shape[2]
     start = cu_seqlens.long()[seqs]  # [M]
-    t = (start + lens - width)[:, None] + torch.arange(width, device=x.device)  # [M, K-1]
-    inside = t >= start[:, None]
-    from_x = x[t.clamp(min=0)].transpose(1, 2)  # [M, Cd, K-1]
-    earlier = conv_state[state_slots[seqs]]  # [M, Cd, K-1], read before anything writes
-    offset = (width + t - start[:, None]).clamp(0, width - 1)[:, None, :].expand_as(earlier)
-    from_state = earlier.gather(2, offset) * has_initial_state[seqs, None, None]
-    conv_state[rows] = torch.where(inside[:, None, :], from_x.to(conv_state.dtype), from_state)
+    t = (start + lens - width)[:, None] + torch.arange(width, device=start.device)  # [M, K-1]
+    from_state = None
+    if reaches_state:
+        from_input = (t >= start[:, None])[:, None, :]
+        column = (width + t - start[:, None]).clamp(0, width - 1)[:, None, :]
+        has_state = has_initial_state[seqs][:, None, None]
+        from_state = (from_input, state_slots[seqs], column, has_state)
+    return ConvSnapshotSources(rows, t.clamp(min=0).flatten(), from_state)
+
+
+def snapshot_conv_states(
+    x: torch.Tensor, conv_state: torch.Tensor, sources: ConvSnapshotSources
+) -> None:
+    """Write the conv state at chunk boundaries inside prefill sequences into checkpoint
+    rows, before the varlen conv overwrites the slots' states. x: [T, Cd] the conv inputs
+    of the prefill sequences; conv_state: [rows, Cd, K-1]; sources: see
+    `conv_snapshot_sources`. Device ops only (no host sync)."""
+    num, width = sources.rows.shape[0], conv_state.shape[2]
+    values = x[sources.token_index].view(num, width, x.shape[1]).transpose(1, 2)  # [M, Cd, K-1]
+    if sources.from_state is not None:
+        from_input, slots, column, has_state = sources.from_state
+        # Read before anything writes: checkpoint rows are not slots.
+        earlier = conv_state[slots].gather(2, column.expand(-1, conv_state.shape[1], -1))
+        values = torch.where(from_input, values.to(conv_state.dtype), earlier * has_state)
+    conv_state[sources.rows] = values.to(conv_state.dtype)
 
 
 def decode_rounding(batch: ForwardBatch, state: SSMState) -> dict[str, Any]:

@@ -243,7 +243,8 @@ class Mamba2Mixer(nn.Module):
             cu = batch.query_start_loc_p
             snaps = batch.snapshots_p
             if snaps is not None:
-                snapshot_conv_states(xbc[nd:], cache.conv, cu, slots, has_init, snaps)
+                sources = batch.conv_snapshots(cache.conv.shape[2])
+                snapshot_conv_states(xbc[nd:], cache.conv, sources)
             xbc_p = self.ops.causal_conv1d_varlen(
                 xbc[nd:],
                 conv_weight,

@@ -143,7 +143,8 @@ class MambaMixer(nn.Module):
             cu = batch.query_start_loc_p
             snaps = batch.snapshots_p
             if snaps is not None:
-                snapshot_conv_states(xs[nd:], cache.conv, cu, slots, has_init, snaps)
+                sources = batch.conv_snapshots(cache.conv.shape[2])
+                snapshot_conv_states(xs[nd:], cache.conv, sources)
             u = self.ops.causal_conv1d_varlen(
                 xs[nd:],
                 conv_weight,

@@ -48,7 +48,9 @@ BOUNDS = {
     # prefill path and decode path (each with its own tuned tiles and warps), and the
     # decode path with the context split over programs
     "_paged_attention_kernel": 3,
-    # with and without prefix-cache snapshots in the step
+    # with and without prefix-cache snapshots in the step (the layout kernel maps chunks
+    # to their snapshot rows, the scan kernel writes them)
+    "_ssd_chunk_cumsum_kernel": 2,
     "_ssd_chunk_scan_kernel": 2,
     # the mixer's gated norm and the plain RMSNorms: two call sites, model constants
     "_gated_rms_norm_kernel": 2,

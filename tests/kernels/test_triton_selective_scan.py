@@ -8,6 +8,7 @@ import torch
 from kernel_testing import assert_close, cu_seqlens_of, naive_selective_scan, randn, seeded
 from triton_testing import DEVICE, requires_triton
 
+from ssmserve.kernels import selective_scan
 from ssmserve.kernels.selective_scan import (
     selective_scan_varlen_ref,
     selective_scan_varlen_triton,
@@ -181,9 +182,12 @@ def test_batch_equals_sequences_alone():
         assert_close(alone["ssm_state"][slot], inp["ssm_state"][slot], msg=f"state {s}")
 
 
-def test_snapshots_match_twin():
+@pytest.mark.parametrize("block", [selective_scan._SNAPSHOT_BLOCK, 2])
+def test_snapshots_match_twin(block, monkeypatch):
     """Prefix caching: states after any number of tokens go to snapshot rows; several in
-    one token block, at a block's end, at a sequence's end (blocks of 8 tokens)."""
+    one token block, at a block's end, at a sequence's end (blocks of 8 tokens). Also
+    with the kernel counting each sequence's snapshots 2 at a time (four blocks)."""
+    monkeypatch.setattr(selective_scan, "_SNAPSHOT_BLOCK", block)
     lengths, slots = VARLEN
     # (sequence, tokens), sorted by sequence, then tokens.
     snaps = [(0, 2), (0, 6), (2, 1), (3, 3), (3, 5), (3, 8), (3, 19), (4, 13)]

@@ -206,9 +206,13 @@ def test_chunks_align_to_absolute_positions(block_seq, monkeypatch):
     assert all(o == -1 for o in owners[first[-1] :]), "ids past the real chunks own nothing"
 
 
-def test_snapshots_at_chunk_boundaries_match_twin():
+@pytest.mark.parametrize("block_seq", [ssd_scan._CUMSUM_BLOCK_SEQ, 4])
+def test_snapshots_at_chunk_boundaries_match_twin(block_seq, monkeypatch):
     """Prefix caching: states at chunk boundaries (and a sequence's end) go to snapshot
-    rows, for sequences resumed mid-chunk and on a boundary."""
+    rows, for sequences resumed mid-chunk and on a boundary. Also with the metadata
+    kernel, which maps each chunk to its snapshot row, walking the snapshots 4 at a time
+    (two blocks, the last one partial)."""
+    monkeypatch.setattr(ssd_scan, "_CUMSUM_BLOCK_SEQ", block_seq)
     lengths, slots, positions = [40, 9, 37], [0, 2, 1], [5, 16, 0]
     # (sequence, tokens): absolute ends 16, 32, 45 (its end); 25 (its end); 16, 32.
     snaps = [(0, 11), (0, 27), (0, 40), (1, 9), (2, 16), (2, 32)]
