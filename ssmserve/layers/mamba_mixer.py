@@ -23,7 +23,7 @@ from ssmserve.layers.linear import (
     row_sharded_parameter,
 )
 from ssmserve.layers.mamba2_mixer import conv_activation
-from ssmserve.layers.norm import RMSNorm, rms_normalize
+from ssmserve.layers.norm import RMSNorm
 
 
 class MambaMixer(nn.Module):
@@ -74,6 +74,12 @@ class MambaMixer(nn.Module):
             self.dt_layernorm = RMSNorm(time_step_rank, bcdt_rms_eps, ops=ops)
             self.b_layernorm = RMSNorm(state_size, bcdt_rms_eps, ops=ops)
             self.c_layernorm = RMSNorm(state_size, bcdt_rms_eps, ops=ops)
+        elif bcdt_rms_eps is not None:
+            # Weightless norms (FalconMamba) run as the norm op with unit weights: one
+            # kernel each, where the PyTorch expression is six. Made on the CPU (buffers
+            # are moved to the model's device with the weights).
+            self.register_buffer("_unit_dt", torch.ones(time_step_rank, device="cpu"), False)
+            self.register_buffer("_unit_bc", torch.ones(state_size, device="cpu"), False)
         self.in_proj = ColumnParallelLinear(hidden_size, [channels, channels], use_bias, ops)
         self.conv1d = nn.Module()
         self.conv1d.weight = row_sharded_parameter([channels], 1, conv_kernel)
@@ -185,7 +191,10 @@ class MambaMixer(nn.Module):
         if self.bcdt_norm_weights:
             dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
         elif self.bcdt_rms_eps is not None:
-            dt = rms_normalize(dt, self.bcdt_rms_eps)
-            B = rms_normalize(B, self.bcdt_rms_eps)
-            C = rms_normalize(C, self.bcdt_rms_eps)
+            # x * rsqrt(mean(x^2) + eps) in float32, rounded to x's dtype: a unit weight
+            # changes nothing.
+            norm, eps = self.ops.gated_rms_norm, self.bcdt_rms_eps
+            dt = norm(dt, self._unit_dt.to(dt.dtype), eps=eps)
+            B = norm(B, self._unit_bc.to(B.dtype), eps=eps)
+            C = norm(C, self._unit_bc.to(C.dtype), eps=eps)
         return dt @ self.dt_proj.weight.t(), B, C

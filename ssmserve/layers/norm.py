@@ -36,8 +36,3 @@ class RMSNorm(nn.Module):
             return self.ops.add_rms_norm(x, residual, self.weight, eps=self.eps)
         s = residual + x
         return self(s), s
-
-
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weightless RMS normalisation (FalconMamba's B, C and dt norms)."""
-    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
