@@ -77,6 +77,52 @@ def test_fused_prefill_attention_equals_cpu_paged(checkpoint, variant, monkeypat
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("variant", ["bamba", "llama"])
+def test_fused_prefill_attention_with_cached_context_equals_cpu_paged(
+    checkpoint, variant, monkeypatch
+):
+    """A long prompt in chunks: the first attends to itself, the later ones to their K/V
+    gathered from the cache under a lower-right causal mask (fused, a few KV heads at a
+    time), the short chunk through the paged kernel: the CPU twins' logprobs."""
+    from ssmserve.layers import attention as attention_module
+    from ssmserve.layers.attention import FUSED_PREFILL_MIN_TOKENS, Attention
+
+    chunk = FUSED_PREFILL_MIN_TOKENS + 40
+    n = 2 * chunk + 100  # chunks of chunk, chunk (cached context) and 100 tokens
+    prompts = [{"prompt_token_ids": [3 + (5 * i) % 250 for i in range(n)]}]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    kwargs = dict(
+        dtype="float32",
+        max_num_seqs=4,
+        max_model_len=2048,
+        cache_memory=2**28,
+        max_num_batched_tokens=chunk,
+        kernel_backend="torch",
+        enable_prefix_caching=False,
+    )
+    cpu = LLM(checkpoint(variant), device="cpu", **kwargs).generate(prompts, params)
+    contexts = []
+    fused = Attention._fused_with_context
+    monkeypatch.setattr(
+        Attention,
+        "_fused_with_context",
+        lambda self, q, cache, table, m: (
+            contexts.append(m - q.shape[0]),
+            fused(self, q, cache, table, m),
+        )[1],
+    )
+    monkeypatch.setattr(attention_module, "FUSED_CONTEXT_MAX_BYTES", 1)  # a KV head a call
+    gpu = LLM(checkpoint(variant), device="cuda", enforce_eager=True, **kwargs).generate(
+        prompts, params
+    )
+    assert sorted(set(contexts)) == [chunk]
+    tokens = cpu[0].prompt_token_ids
+    for i in range(1, n):
+        a = cpu[0].prompt_logprobs[i][tokens[i]].logprob
+        assert abs(a - gpu[0].prompt_logprobs[i][tokens[i]].logprob) < 2e-3, i
+    assert cpu[0].outputs[0].token_ids == gpu[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize("variant", ["bamba", "mamba2", "mamba", "llama"])
 def test_prefix_caching_with_graphs_equals_uncached_eager(checkpoint, variant):
     """Cache copies run outside the decode graphs and the Triton scans write the chunk

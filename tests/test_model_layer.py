@@ -181,3 +181,42 @@ def test_an_ssm_activation_the_kernels_lack_is_refused(checkpoint, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="hidden_act = 'gelu'"):
         LLM(str(path), device="cpu")
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4), (3, 1)])
+def test_attention_over_gathered_context_equals_a_naive_loop(heads, kv_heads, monkeypatch):
+    """A prompt chunk with cached context through the fused path's gather (blocks in a
+    scrambled order, a partial last block, a few KV heads per call) and lower-right causal
+    mask: each query sees exactly the tokens up to its own position."""
+    from ssmserve.layers import attention as attention_module
+    from ssmserve.layers.attention import Attention
+    from ssmserve.layers.cache import KVCache
+
+    gen = torch.Generator().manual_seed(4)
+    D, block_size, n, L = 8, 4, 23, 9  # 14 cached tokens, 9 new; 6 blocks, the last partial
+    layer = Attention(
+        hidden_size=heads * D,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=D,
+        ops=get_ops("torch", "cpu"),
+        tp=TensorParallel(),
+        rotary=None,
+        scale=0.3,
+    )
+    k_cache = torch.randn(10, block_size, kv_heads, D, generator=gen)
+    v_cache = torch.randn(10, block_size, kv_heads, D, generator=gen)
+    table = torch.tensor([7, 2, 9, 0, 5, 3, 8, 1], dtype=torch.int32)  # wider than needed
+    q = torch.randn(L, heads, D, generator=gen)
+    # One KV head per call when the budget allows no more.
+    monkeypatch.setattr(attention_module, "FUSED_CONTEXT_MAX_BYTES", 1)
+    out = layer._fused_with_context(q, KVCache(k_cache, v_cache), table, n)
+    keys = k_cache[table.long()].flatten(0, 1)[:n].double()
+    values = v_cache[table.long()].flatten(0, 1)[:n].double()
+    groups = heads // kv_heads
+    for i in range(L):
+        for h in range(heads):
+            seen = n - L + i + 1
+            scores = keys[:seen, h // groups] @ q[i, h].double() * 0.3
+            expected = scores.softmax(0) @ values[:seen, h // groups]
+            assert torch.allclose(out[i, h].double(), expected, atol=1e-5), (i, h)

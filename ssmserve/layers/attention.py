@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.kernels import KernelOps
@@ -18,8 +19,17 @@ from ssmserve.layers.rotary import RotaryEmbedding
 # GPU. 32k-token prompt, Bamba-9B attention (32/8 heads of 128), H200: 30 ms per layer
 # (flash) against 48 ms for the paged kernel, FLOP floor 12.8 ms
 # (benchmarks/results/bamba9b_profile_2026-11-30_h200*.json). The 512-token threshold
-# itself is a guess, not measured.
+# itself is a guess, not measured. Prompt chunks with cached context (the later chunks of
+# a long prompt, a prefix-cache hit) of that many tokens take it too: their K/V are
+# gathered from the cache and the query attends with a lower-right causal mask.
 FUSED_PREFILL_MIN_TOKENS = 512
+# Bytes the gathered and head-repeated K/V of one fused call may take: a long context is
+# attended a few KV heads at a time, so the transient stays below what the memory plan
+# set aside for a prefill's activations.
+FUSED_CONTEXT_MAX_BYTES = 256 * 2**20
+# The fused kernels only: the math backend would materialise the L x n scores.
+_FUSED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+_ANY_BACKEND = [*_FUSED_BACKENDS, SDPBackend.MATH]  # CPU: unit tests at small sizes
 
 
 class Attention(nn.Module):
@@ -92,24 +102,63 @@ class Attention(nn.Module):
         self.ops.write_kv_cache(k, v, cache.k, cache.v, batch.slot_mapping)
         # Head dims the fused kernels take (flash and memory-efficient attention).
         fusable = q.is_cuda and self.head_dim % 8 == 0 and self.head_dim <= 256
-        fresh = self._fresh_long_prefills(batch) if fusable else []
-        if not fresh:
+        long = self._long_prefills(batch) if fusable else []
+        if not long:
             out = self._paged(q, batch, cache, 0, batch.num_seqs)
         else:
-            # Long prompts with nothing cached attend only to their own new tokens: PyTorch's
-            # fused attention (flash) does that several times faster than the paged kernel.
-            # The other sequences go through the paged kernel in runs between them.
+            # Long prompt chunks go through PyTorch's fused attention (flash), several times
+            # faster than the paged kernel: with nothing cached they attend to their own new
+            # tokens, else to their K/V gathered from the cache. The other sequences go
+            # through the paged kernel in runs between them.
             out = torch.empty_like(q)
-            qsl = batch.query_start_loc_host
+            qsl, context = batch.query_start_loc_host, batch.context_lens_host
             first = 0
-            for s in [*fresh, batch.num_seqs]:
+            for s in [*long, batch.num_seqs]:
                 if first < s:
                     out[qsl[first] : qsl[s]] = self._paged(q, batch, cache, first, s)
                 if s < batch.num_seqs:
                     t0, t1 = qsl[s], qsl[s + 1]
-                    out[t0:t1] = self._fused_causal(q[t0:t1], k[t0:t1], v[t0:t1])
+                    if context[s] == 0:
+                        out[t0:t1] = self._fused_causal(q[t0:t1], k[t0:t1], v[t0:t1])
+                    else:
+                        n = context[s] + t1 - t0
+                        out[t0:t1] = self._fused_with_context(
+                            q[t0:t1], cache, batch.block_tables[s], n
+                        )
                 first = s + 1
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def _fused_with_context(
+        self, q: torch.Tensor, cache: KVCache, block_table: torch.Tensor, n: int
+    ) -> torch.Tensor:
+        """Attention of one sequence's last L = q.shape[0] tokens over its first n tokens
+        in the cache (this step's K/V are written there already): query i sees tokens up
+        to n - L + i (a lower-right causal mask). The K/V are gathered from the blocks a
+        few KV heads at a time (FUSED_CONTEXT_MAX_BYTES) and their query heads attended
+        together."""
+        L, groups = q.shape[0], self.num_heads // self.num_kv_heads
+        block_size = cache.k.shape[1]
+        blocks = block_table[: -(-n // block_size)].long()
+        per_kv_head = n * self.head_dim * cache.k.element_size() * 2 * (1 + groups)
+        step = max(1, min(self.num_kv_heads, FUSED_CONTEXT_MAX_BYTES // per_kv_head))
+        while self.num_kv_heads % step:
+            step -= 1
+        mask = causal_lower_right(L, n)
+        out = torch.empty_like(q)
+        for h0 in range(0, self.num_kv_heads, step):
+            h1 = h0 + step
+            k = cache.k[blocks, :, h0:h1].flatten(0, 1)[:n]
+            v = cache.v[blocks, :, h0:h1].flatten(0, 1)[:n]
+            if groups > 1:
+                k = k.repeat_interleave(groups, dim=1)
+                v = v.repeat_interleave(groups, dim=1)
+            qh, kh, vh = (
+                t.transpose(0, 1).unsqueeze(0) for t in (q[:, h0 * groups : h1 * groups], k, v)
+            )
+            with sdpa_kernel(_FUSED_BACKENDS if q.is_cuda else _ANY_BACKEND):
+                o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
+            out[:, h0 * groups : h1 * groups] = o.squeeze(0).transpose(0, 1)
+        return out
 
     def _fused_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of one sequence's [L, heads, D] tensors with PyTorch's fused
@@ -121,17 +170,17 @@ class Attention(nn.Module):
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        with sdpa_kernel(_FUSED_BACKENDS):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         return out.squeeze(0).transpose(0, 1)
 
-    def _fresh_long_prefills(self, batch: ForwardBatch) -> list[int]:
-        """Sequences with no cached context and at least FUSED_PREFILL_MIN_TOKENS new ones."""
+    def _long_prefills(self, batch: ForwardBatch) -> list[int]:
+        """Sequences with at least FUSED_PREFILL_MIN_TOKENS new tokens."""
         qsl, context = batch.query_start_loc_host, batch.context_lens_host
         return [
             s
             for s in range(batch.num_decodes, len(context))
-            if context[s] == 0 and qsl[s + 1] - qsl[s] >= FUSED_PREFILL_MIN_TOKENS
+            if qsl[s + 1] - qsl[s] >= FUSED_PREFILL_MIN_TOKENS
         ]
 
     def _paged(
