@@ -3,7 +3,6 @@ each followed by a SwiGLU MLP. The per-layer pattern comes from `attn_layer_indi
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ssmserve.layers.batch import ForwardBatch
@@ -17,6 +16,7 @@ from ssmserve.models.base import (
     QKV_RULES,
     CausalLM,
     ModelContext,
+    PreNormBlock,
     bamba_style_mamba2,
     llama_attention,
 )
@@ -27,7 +27,7 @@ def layer_kinds(cfg) -> list[str]:
     return ["attention" if i in attn else "mamba2" for i in range(cfg.num_hidden_layers)]
 
 
-class BambaDecoderLayer(nn.Module):
+class BambaDecoderLayer(PreNormBlock):
     def __init__(self, cfg, kind: str, ctx: ModelContext, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.kind = kind
@@ -51,14 +51,16 @@ class BambaDecoderLayer(nn.Module):
             return LayerCacheSpec(kv=self.self_attn.cache_spec())
         return LayerCacheSpec(state=self.mamba.cache_spec())
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
-        x = self.input_layernorm(hidden)
+    def pre_norm(self) -> RMSNorm:
+        return self.input_layernorm
+
+    def forward_residual(self, x, hidden, batch: ForwardBatch, cache: LayerCache):
         if self.kind == "attention":
             out = self.self_attn(x, batch, cache.kv)
         else:
             out = self.mamba(x, batch, cache.state)
         x, hidden = self.pre_ff_layernorm.add_forward(out, hidden)
-        return hidden + self.feed_forward(x)
+        return self.feed_forward(x), hidden
 
 
 class BambaForCausalLM(CausalLM):

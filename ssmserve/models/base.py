@@ -32,6 +32,28 @@ GATE_UP_RULES: tuple[NameRule, ...] = (
 )
 
 
+class PreNormBlock(nn.Module):
+    """A decoder block that starts with an RMSNorm of its input and ends by adding its
+    last branch's output to the residual stream: `forward(h)` is `h' + out` for
+    `(out, h') = forward_residual(pre_norm()(h), h, ...)`. `CausalLM.run_layers` leaves
+    that last add to the next block's norm (`RMSNorm.add_forward`: one kernel for the
+    add and the norm, rounded as the add followed by the norm)."""
+
+    def pre_norm(self) -> nn.Module:
+        raise NotImplementedError
+
+    def forward_residual(
+        self, x: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: pre_norm(hidden). Returns (the last branch's output, the residual stream
+        before it is added)."""
+        raise NotImplementedError
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+        out, hidden = self.forward_residual(self.pre_norm()(hidden), hidden, batch, cache)
+        return hidden + out
+
+
 @dataclass(frozen=True)
 class PipelineStage:
     """The contiguous decoder layers one pipeline stage runs; the first stage embeds the
@@ -123,11 +145,23 @@ class CausalLM(nn.Module):
     def run_layers(
         self, hidden: torch.Tensor, batch: ForwardBatch, caches: list[LayerCache]
     ) -> torch.Tensor:
-        """This stage's decoder blocks over `hidden`, in order."""
+        """This stage's decoder blocks over `hidden`, in order; a PreNormBlock's last
+        residual add is fused into the next PreNormBlock's norm."""
         layers = self.decoder_layers()
+        out = None  # the last block's branch output, not yet added to `hidden`
         for i in self.stage.layers:
-            hidden = layers[i](hidden, batch, caches[i])
-        return hidden
+            layer = layers[i]
+            if not isinstance(layer, PreNormBlock):
+                if out is not None:
+                    hidden, out = hidden + out, None
+                hidden = layer(hidden, batch, caches[i])
+                continue
+            if out is None:
+                x = layer.pre_norm()(hidden)
+            else:
+                x, hidden = layer.pre_norm().add_forward(out, hidden)
+            out, hidden = layer.forward_residual(x, hidden, batch, caches[i])
+        return hidden if out is None else hidden + out
 
     def intermediate_spec(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Shapes and dtypes of what a stage sends the next one."""

@@ -32,6 +32,7 @@ from ssmserve.models.base import (
     QKV_RULES,
     CausalLM,
     ModelContext,
+    PreNormBlock,
     bamba_style_mamba2,
 )
 
@@ -106,7 +107,7 @@ def _attention(cfg, ctx: ModelContext, rotary: RotaryEmbedding) -> Attention:
     )
 
 
-class FalconH1DecoderLayer(nn.Module):
+class FalconH1DecoderLayer(PreNormBlock):
     def __init__(self, cfg, ctx: ModelContext, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ctx.ops)
@@ -137,13 +138,15 @@ class FalconH1DecoderLayer(nn.Module):
         self.attention_in_multiplier = self.attention_out_multiplier = 1.0
         self.feed_forward.fold_multipliers()
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
-        x = self.input_layernorm(hidden)
+    def pre_norm(self) -> RMSNorm:
+        return self.input_layernorm
+
+    def forward_residual(self, x, hidden, batch: ForwardBatch, cache: LayerCache):
         ssm = self.mamba(_scaled(x, self.ssm_in_multiplier), batch, cache.state)
         attn = self.self_attn(_scaled(x, self.attention_in_multiplier), batch, cache.kv)
         mixed = _scaled(ssm, self.ssm_out_multiplier) + _scaled(attn, self.attention_out_multiplier)
         x, hidden = self.pre_ff_layernorm.add_forward(mixed, hidden)
-        return hidden + self.feed_forward(x)
+        return self.feed_forward(x), hidden
 
 
 class FalconH1ForCausalLM(CausalLM):

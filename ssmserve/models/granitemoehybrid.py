@@ -27,6 +27,7 @@ from ssmserve.models.base import (
     CausalLM,
     ModelContext,
     NameRule,
+    PreNormBlock,
     bamba_style_mamba2,
 )
 
@@ -81,7 +82,7 @@ class ScaledEmbedding(VocabParallelEmbedding):
         return super().forward(ids) * self.multiplier
 
 
-class GraniteMoeHybridDecoderLayer(nn.Module):
+class GraniteMoeHybridDecoderLayer(PreNormBlock):
     def __init__(self, cfg, kind: str, ctx: ModelContext, rotary: RotaryEmbedding | None) -> None:
         super().__init__()
         self.kind, self.tp = kind, ctx.tp
@@ -146,8 +147,10 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
-        x = self.input_layernorm(hidden)
+    def pre_norm(self) -> RMSNorm:
+        return self.input_layernorm
+
+    def forward_residual(self, x, hidden, batch: ForwardBatch, cache: LayerCache):
         if self.kind == "attention":
             x = self.self_attn(x, batch, cache.kv)
         else:
@@ -157,7 +160,7 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
             x = self.shared_mlp(x)
         else:
             x = self.tp.all_reduce(self.block_sparse_moe(x) + self.shared_mlp(x))
-        return hidden + self._scaled(x)
+        return self._scaled(x), hidden
 
 
 class GraniteMoeHybridForCausalLM(CausalLM):

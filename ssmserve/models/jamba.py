@@ -5,7 +5,6 @@ over all experts, top-k, not renormalised) or else a SwiGLU MLP."""
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ssmserve.layers.batch import ForwardBatch
@@ -15,7 +14,14 @@ from ssmserve.layers.mamba_mixer import MambaMixer
 from ssmserve.layers.mlp import GatedMLP
 from ssmserve.layers.moe import ExpertCheckpointNames, FusedMoE, Routing
 from ssmserve.layers.norm import RMSNorm
-from ssmserve.models.base import GATE_UP_RULES, QKV_RULES, CausalLM, ModelContext, llama_attention
+from ssmserve.models.base import (
+    GATE_UP_RULES,
+    QKV_RULES,
+    CausalLM,
+    ModelContext,
+    PreNormBlock,
+    llama_attention,
+)
 
 
 def layer_pattern(cfg) -> list[tuple[str, bool]]:
@@ -29,7 +35,7 @@ def layer_pattern(cfg) -> list[tuple[str, bool]]:
     ]
 
 
-class JambaDecoderLayer(nn.Module):
+class JambaDecoderLayer(PreNormBlock):
     def __init__(self, cfg, kind: str, moe: bool, ctx: ModelContext) -> None:
         super().__init__()
         self.kind = kind
@@ -72,14 +78,16 @@ class JambaDecoderLayer(nn.Module):
             return LayerCacheSpec(kv=self.self_attn.cache_spec())
         return LayerCacheSpec(state=self.mamba.cache_spec())
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
-        x = self.input_layernorm(hidden)
+    def pre_norm(self) -> RMSNorm:
+        return self.input_layernorm
+
+    def forward_residual(self, x, hidden, batch: ForwardBatch, cache: LayerCache):
         if self.kind == "attention":
             out = self.self_attn(x, batch, cache.kv)
         else:
             out = self.mamba(x, batch, cache.state)
         x, hidden = self.pre_ff_layernorm.add_forward(out, hidden)
-        return hidden + self.feed_forward(x)
+        return self.feed_forward(x), hidden
 
 
 class JambaForCausalLM(ExpertCheckpointNames, CausalLM):

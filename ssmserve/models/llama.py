@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ssmserve.layers.batch import ForwardBatch
@@ -11,10 +10,17 @@ from ssmserve.layers.embed import VocabParallelEmbedding
 from ssmserve.layers.mlp import GatedMLP
 from ssmserve.layers.norm import RMSNorm
 from ssmserve.layers.rotary import RotaryEmbedding
-from ssmserve.models.base import GATE_UP_RULES, QKV_RULES, CausalLM, ModelContext, llama_attention
+from ssmserve.models.base import (
+    GATE_UP_RULES,
+    QKV_RULES,
+    CausalLM,
+    ModelContext,
+    PreNormBlock,
+    llama_attention,
+)
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormBlock):
     def __init__(self, cfg, ctx: ModelContext, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops=ctx.ops)
@@ -32,10 +38,13 @@ class LlamaDecoderLayer(nn.Module):
     def cache_spec(self) -> LayerCacheSpec:
         return LayerCacheSpec(kv=self.self_attn.cache_spec())
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
-        out = self.self_attn(self.input_layernorm(hidden), batch, cache.kv)
+    def pre_norm(self) -> RMSNorm:
+        return self.input_layernorm
+
+    def forward_residual(self, x, hidden, batch: ForwardBatch, cache: LayerCache):
+        out = self.self_attn(x, batch, cache.kv)
         x, hidden = self.post_attention_layernorm.add_forward(out, hidden)
-        return hidden + self.mlp(x)
+        return self.mlp(x), hidden
 
 
 class LlamaForCausalLM(CausalLM):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from ssmserve.layers.attention import Attention
@@ -27,7 +26,7 @@ from ssmserve.layers.mamba2_mixer import Mamba2Mixer
 from ssmserve.layers.mlp import MLP
 from ssmserve.layers.moe import PLAIN_EXPERT_NAMES, ExpertCheckpointNames, FusedMoE, Routing
 from ssmserve.layers.norm import RMSNorm
-from ssmserve.models.base import QKV_RULES, CausalLM, ModelContext, NameRule
+from ssmserve.models.base import QKV_RULES, CausalLM, ModelContext, NameRule, PreNormBlock
 
 
 def _mamba2(cfg, ctx: ModelContext) -> Mamba2Mixer:
@@ -131,7 +130,7 @@ def block_types(cfg) -> list[str]:
     return types
 
 
-class NemotronHBlock(nn.Module):
+class NemotronHBlock(PreNormBlock):
     def __init__(self, cfg, block_type: str, ctx: ModelContext) -> None:
         super().__init__()
         self.cache_kind = _CACHE.get(block_type)
@@ -143,11 +142,13 @@ class NemotronHBlock(nn.Module):
             return LayerCacheSpec()
         return LayerCacheSpec(**{self.cache_kind: self.mixer.cache_spec()})
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
-        x = self.norm(hidden)
+    def pre_norm(self) -> RMSNorm:
+        return self.norm
+
+    def forward_residual(self, x, hidden, batch: ForwardBatch, cache: LayerCache):
         if self.cache_kind is None:
-            return hidden + self.mixer(x)
-        return hidden + self.mixer(x, batch, getattr(cache, self.cache_kind))
+            return self.mixer(x), hidden
+        return self.mixer(x, batch, getattr(cache, self.cache_kind)), hidden
 
 
 # The checkpoint names the router `gate`; each expert's up_proj / down_proj is its own
