@@ -284,8 +284,27 @@ class Zamba2ForCausalLM(CausalLM):
             hidden = embeds = self.model.embed_tokens(batch.input_ids)
         else:
             hidden, embeds = received["hidden"], received["embeds"]
+        # Each Mamba2 layer's residual add is left to the next layer's norm (add_rms_norm:
+        # one kernel, the same roundings). At a hybrid depth the norm reads hidden plus
+        # the shared block's projected output, while the residual stays hidden.
+        out = None  # the last Mamba2 layer's output, not yet added to `hidden`
         for i in self.stage.layers:
-            hidden = self.model.layers[i](hidden, embeds, batch, caches[i])
+            layer = self.model.layers[i]
+            if isinstance(layer, Zamba2HybridLayer):
+                if out is not None:
+                    hidden, out = hidden + out, None
+                shared = layer.linear(
+                    layer.shared_transformer(hidden, embeds, batch, caches[i].kv, layer.use)
+                )
+                layer = layer.mamba_decoder
+                x, _ = layer.input_layernorm.add_forward(shared, hidden)
+            elif out is None:
+                x = layer.input_layernorm(hidden)
+            else:
+                x, hidden = layer.input_layernorm.add_forward(out, hidden)
+            out = layer.mamba(x, batch, caches[i].state)
+        if out is not None:
+            hidden = hidden + out
         if not self.stage.is_last:
             return {"hidden": hidden, "embeds": embeds}
         return self.model.final_layernorm(hidden)
