@@ -147,7 +147,7 @@ def graphs() -> None:
             record_check(f"{name} T={T} graph replay == eager", {"y": rel_err(out, eager)}, 0.0)
             timed(f"{name} T={T} graph replay", graph.replay, inp)
             if T <= 4 * ROWS_MAX_TOKENS:
-                other = ROWS_MAX_TOKENS if T > ROWS_MAX_TOKENS else 0
+                other = T if T > ROWS_MAX_TOKENS else 0  # the path the default does not take
                 graph2, _ = capture(
                     lambda inp=inp, n=other: fused_moe_triton(**inp, rows_max_tokens=n)
                 )
