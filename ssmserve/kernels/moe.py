@@ -429,10 +429,12 @@ def _moe_rows_down_kernel(
     tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def align_by_expert(
+def align_by_expert_ref(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group the T*K assignments by expert into blocks of `block_m` rows, on the device.
+    """Group the T*K assignments by expert into blocks of `block_m` rows, on the device
+    (PyTorch ops: a stable sort, counts and cumulative sums, a search; about a dozen
+    kernels). `align_by_expert` is its one-launch Triton twin.
 
     Returns:
         sorted_rows: [num_blocks * block_m] int32 assignment ids (t * K + k), expert by
@@ -459,6 +461,89 @@ def align_by_expert(
     sorted_rows[dest] = order.to(torch.int32)
     block_start = torch.arange(num_blocks, device=device) * block_m
     block_expert = torch.searchsorted(padded_end, block_start, right=True, out_int32=True)
+    return sorted_rows, block_expert
+
+
+# Most assignments (T * K) the one-launch alignment takes; each of its E programs reads
+# them all, so past this the PyTorch ops (a sort) are cheaper.
+ALIGN_MAX_ROWS = 4096
+
+
+@lazy_jit(do_not_specialize=("num_rows", "num_blocks"))
+def _align_kernel(
+    ids_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    num_rows,
+    num_blocks,
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Program e writes expert e's run: its assignments in row order (a stable sort),
+    padded to whole blocks with `num_rows`, and its blocks' expert; program 0 also the
+    blocks past the last run. Every program counts all experts first, for its offset."""
+    e = tl.program_id(0)
+    offs_e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for r0 in range(0, num_rows, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        ids = tl.load(ids_ptr + offs_r, mask=offs_r < num_rows, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = tl.sum(tl.where(offs_e < e, padded, 0), axis=0)
+    mine = tl.sum(tl.where(offs_e == e, counts, 0), axis=0)
+    mine_padded = tl.sum(tl.where(offs_e == e, padded, 0), axis=0)
+    seen = 0
+    for r0 in range(0, num_rows, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        ids = tl.load(ids_ptr + offs_r, mask=offs_r < num_rows, other=-1).to(tl.int32)
+        hit = (ids == e).to(tl.int32)
+        dest = start + seen + tl.cumsum(hit, axis=0) - 1
+        tl.store(sorted_rows_ptr + dest, offs_r, mask=hit == 1)
+        seen += tl.sum(hit, axis=0)
+    for j0 in range(0, mine_padded - mine, BLOCK_M):
+        offs_j = mine + j0 + tl.arange(0, BLOCK_M)
+        tl.store(sorted_rows_ptr + start + offs_j, num_rows, mask=offs_j < mine_padded)
+    for b0 in range(0, mine_padded // BLOCK_M, BLOCK_R):
+        offs_b = b0 + tl.arange(0, BLOCK_R)
+        block = start // BLOCK_M + offs_b
+        tl.store(block_expert_ptr + block, e, mask=offs_b < mine_padded // BLOCK_M)
+    if e == 0:
+        total = tl.sum(padded, axis=0)
+        for b0 in range(total // BLOCK_M, num_blocks, BLOCK_R):
+            offs_b = b0 + tl.arange(0, BLOCK_R)
+            tl.store(block_expert_ptr + offs_b, num_experts, mask=offs_b < num_blocks)
+        for j0 in range(total, num_blocks * BLOCK_M, BLOCK_R):
+            offs_j = j0 + tl.arange(0, BLOCK_R)
+            tl.store(sorted_rows_ptr + offs_j, num_rows, mask=offs_j < num_blocks * BLOCK_M)
+
+
+def align_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_by_expert_ref`'s result (the same tensors, element for element) in one launch
+    of E programs, up to ALIGN_MAX_ROWS assignments; more go through the PyTorch ops."""
+    num_rows = topk_ids.numel()
+    if num_rows > ALIGN_MAX_ROWS or num_rows == 0:
+        return align_by_expert_ref(topk_ids, num_experts, block_m)
+    num_blocks = -(-num_rows // block_m) + min(num_experts, num_rows)
+    device = topk_ids.device
+    sorted_rows = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    _align_kernel[(num_experts,)](
+        topk_ids.reshape(-1),
+        sorted_rows,
+        block_expert,
+        num_rows,
+        num_blocks,
+        num_experts,
+        BLOCK_M=block_m,
+        BLOCK_R=max(16, 8192 // next_pow2(num_experts)),  # the count tile: 8k entries
+        BLOCK_E=next_pow2(num_experts),
+        num_warps=4,
+    )
     return sorted_rows, block_expert
 
 

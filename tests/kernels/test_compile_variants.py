@@ -59,6 +59,8 @@ BOUNDS = {
     # the launch table's three rows (decode, mid, prefill rows per expert)
     "_moe_up_kernel": 3,
     "_moe_down_kernel": 3,
+    # the expert alignment's block_m, one per launch-table row
+    "_align_kernel": 3,
     # split K or not, bias or not: features of the layer (model constants), not the batch
     "_gemv_kernel": 4,
 }

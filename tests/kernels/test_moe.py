@@ -12,8 +12,10 @@ from kernel_testing import assert_close, randn, seeded
 from triton_testing import DEVICE, requires_triton
 
 from ssmserve.kernels.moe import (
+    ALIGN_MAX_ROWS,
     ROWS_MAX_TOKENS,
     align_by_expert,
+    align_by_expert_ref,
     fused_moe_ref,
     fused_moe_triton,
     moe_launch_config,
@@ -159,7 +161,7 @@ def test_alignment_gives_each_block_one_expert_and_every_assignment_once(
 ):
     gen = seeded(3)
     ids = torch.randint(0, num_experts - 1, (num_rows, 1), generator=gen)  # last expert idle
-    rows, block_expert = align_by_expert(ids, num_experts, block_m)
+    rows, block_expert = align_by_expert_ref(ids, num_experts, block_m)
     assert rows.shape == (block_expert.shape[0] * block_m,)
     real = rows[rows < num_rows]
     assert sorted(real.tolist()) == list(range(num_rows))
@@ -210,6 +212,24 @@ def test_triton_routing_of_no_tokens_and_bad_arguments():
         moe_route_triton(torch.zeros(2, 6, device=DEVICE), top_k=2, num_groups=4)
     with pytest.raises(ValueError, match="scoring 'tanh'"):
         moe_route_ref(torch.zeros(2, 6), top_k=2, scoring="tanh")
+
+
+@requires_triton
+@pytest.mark.parametrize(
+    ("T", "K", "E", "block_m"),
+    [(1, 2, 5, 16), (7, 6, 64, 16), (300, 2, 13, 16), (40, 3, 4, 64), (9, 1, 130, 4)],
+)
+def test_one_launch_alignment_equals_the_sort(T, K, E, block_m):
+    """Element for element the PyTorch ops' result: more assignments than one count tile
+    (300 x 2 over 13 experts), idle experts, E not a power of two, wide blocks."""
+    gen = seeded(T + E)
+    ids = torch.randint(0, max(1, E - 2), (T, K), generator=gen)  # the last experts idle
+    for got, expected in zip(
+        align_by_expert(ids.to(DEVICE), E, block_m), align_by_expert_ref(ids, E, block_m)
+    ):
+        assert torch.equal(got.cpu(), expected.to(torch.int32)), (got, expected)
+    big = torch.zeros(ALIGN_MAX_ROWS + 1, 1, dtype=torch.int64)  # past the bound: the sort
+    assert torch.equal(align_by_expert(big, 4, 16)[0], align_by_expert_ref(big, 4, 16)[0])
 
 
 # (T, K, E): decode-sized (the per-assignment kernels), and enough rows per expert to take
