@@ -1,0 +1,105 @@
+"""Every Triton kernel variant the models launch compiles for an H100/H200 (sm_90).
+
+The interpreter runs a kernel's Python without compiling it, so a kernel that the GPU
+compiler refuses (a type mismatch, an op or a layout the backend lacks) would first fail
+on a GPU. Here the launches of a few tiny models (every Triton op and launch path they
+take: prefill and decode, the fused one-row decode, prefix-cache snapshots, MoE routing
+with the per-assignment and the sorted paths, the Triton GEMV, the selective scan) are
+recorded in the interpreter, one per compile key, and each is compiled for sm_90 through
+Triton's own steps (its CUDA backend and the ptxas it ships; no GPU needed). It proves
+that they compile, not that they compute the right thing: the GPU tests do that.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from triton_testing import DEVICE, requires_triton
+
+from ssmserve import LLM, SamplingParams
+from ssmserve.kernels._common import LazyKernel
+from tests.tiny_models import make_tiny_checkpoint
+
+pytestmark = [
+    requires_triton,
+    pytest.mark.skipif(
+        importlib.util.find_spec("triton.backends.nvidia") is None,
+        reason="Triton's CUDA backend is not installed",
+    ),
+]
+
+
+def stand_in(value):
+    """What Triton specialises a launch argument on: a tensor's dtype and whether its
+    address is 16-byte aligned (a small tensor with the same), anything else as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    aligned = value.data_ptr() % 16 == 0
+    return torch.empty(32, dtype=value.dtype)[0 if aligned else 1 :]
+
+
+def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monkeypatch):
+    launches: dict[tuple[str, str], tuple[LazyKernel, tuple, dict]] = {}
+    getitem = LazyKernel.__getitem__
+
+    def recording(kernel: LazyKernel, grid):
+        launch = getitem(kernel, grid)
+
+        def recorded(*args, **kwargs):
+            key = (kernel.name, kernel.compile_key(*args, **kwargs))
+            launches.setdefault(key, (kernel, args, kwargs))
+            return launch(*args, **kwargs)
+
+        return recorded
+
+    monkeypatch.setattr(LazyKernel, "__getitem__", recording)
+    common = dict(
+        device=DEVICE.type, dtype="float32", enforce_eager=True, cache_memory=2**27,
+        kernel_backend="triton", prefix_checkpoint_interval=16,
+    )  # fmt: skip
+    # Prompts of one token to past a checkpoint interval, six of them: decode steps of
+    # one row (the fused decode, MoE per assignment) and of several (MoE sorted).
+    lengths = (1, 21, 5, 3, 4, 2)
+    prompts = [{"prompt_token_ids": [5 + (3 * i + n) % 90 for i in range(n)]} for n in lengths]
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    # Granite 4.0-H covers Mamba2, attention, MoE and the gated MLP, with the Triton GEMV
+    # for its decode linears; FalconMamba the Mamba1 kernels.
+    for family, extra in (("granitemoehybrid", {"decode_gemv": "triton"}), ("falcon_mamba", {})):
+        path = make_tiny_checkpoint(str(tmp_path / family), family, seed=0)
+        llm = LLM(path, **common, **extra)
+        llm.generate(prompts[:1], params, use_tqdm=False)  # one row alone
+        llm.generate(prompts, params, use_tqdm=False)
+        del llm
+    monkeypatch.undo()
+    names = {name for name, _ in launches}
+    for expected in (
+        "_mamba2_decode_kernel",
+        "_ssd_chunk_scan_kernel",
+        "_selective_scan_kernel",
+        "_paged_attention_kernel",
+        "_moe_route_kernel",
+        "_moe_rows_up_kernel",
+        "_moe_up_kernel",
+        "_align_kernel",
+    ):
+        assert expected in names, (expected, sorted(names))
+    assert any("gemv" in name for name in names), sorted(names)
+    specs = [
+        (kernel.fn.__module__, kernel.fn.__name__, [stand_in(a) for a in args],
+         {k: stand_in(v) for k, v in kwargs.items()})
+        for kernel, args, kwargs in launches.values()
+    ]  # fmt: skip
+    torch.save(specs, tmp_path / "launches.pt")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("gpu_compile.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "launches.pt")],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
