@@ -715,7 +715,10 @@ def fused_moe_triton(
     if T == 0:
         return torch.zeros_like(x)
     if T <= rows_max_tokens:
-        return _fused_moe_rows(x, w13, w2, topk_weights, topk_ids, activation, gated, rows_config)
+        dims = (T, H, K, I)
+        return _fused_moe_rows(
+            x, w13, w2, topk_weights, topk_ids, dims, activation, gated, rows_config
+        )
     num_rows = T * K
     cfg = moe_launch_config(num_rows, E, config)
     block_m, block_n, block_k = cfg["block_m"], cfg["block_n"], cfg["block_k"]
@@ -793,13 +796,12 @@ def _fused_moe_rows(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    dims: tuple[int, int, int, int],
     activation: str,
     gated: bool,
     config: Mapping[str, Any] | None,
 ) -> torch.Tensor:
-    T, H = x.shape
-    K = topk_ids.shape[1]
-    I = w2.shape[2]  # noqa: E741
+    T, H, K, I = dims  # noqa: E741
     cfg = moe_rows_config(config)
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).contiguous()

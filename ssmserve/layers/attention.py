@@ -136,42 +136,38 @@ class Attention(nn.Module):
         to n - L + i (a lower-right causal mask). The K/V are gathered from the blocks a
         few KV heads at a time (FUSED_CONTEXT_MAX_BYTES) and their query heads attended
         together."""
-        L, groups = q.shape[0], self.num_heads // self.num_kv_heads
+        groups = self.num_heads // self.num_kv_heads
         block_size = cache.k.shape[1]
         blocks = block_table[: -(-n // block_size)].long()
         per_kv_head = n * self.head_dim * cache.k.element_size() * 2 * (1 + groups)
         step = max(1, min(self.num_kv_heads, FUSED_CONTEXT_MAX_BYTES // per_kv_head))
         while self.num_kv_heads % step:
             step -= 1
-        mask = causal_lower_right(L, n)
         out = torch.empty_like(q)
         for h0 in range(0, self.num_kv_heads, step):
             h1 = h0 + step
             k = cache.k[blocks, :, h0:h1].flatten(0, 1)[:n]
             v = cache.v[blocks, :, h0:h1].flatten(0, 1)[:n]
-            if groups > 1:
-                k = k.repeat_interleave(groups, dim=1)
-                v = v.repeat_interleave(groups, dim=1)
-            qh, kh, vh = (
-                t.transpose(0, 1).unsqueeze(0) for t in (q[:, h0 * groups : h1 * groups], k, v)
-            )
-            with sdpa_kernel(_FUSED_BACKENDS if q.is_cuda else _ANY_BACKEND):
-                o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
-            out[:, h0 * groups : h1 * groups] = o.squeeze(0).transpose(0, 1)
+            heads = slice(h0 * groups, h1 * groups)
+            out[:, heads] = self._fused_causal(q[:, heads], k, v)
         return out
 
     def _fused_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of one sequence's [L, heads, D] tensors with PyTorch's fused
-        kernels. Query heads of a group get their KV head repeated (a copy of this prompt's
-        K/V only); the unfused math backend, which would materialise the L x L scores, is
-        not allowed."""
-        groups = self.num_heads // self.num_kv_heads
+        """Causal attention of one sequence's last L tokens ([L, heads, D] queries) over
+        its n >= L [n, kv heads, D] keys and values with PyTorch's fused kernels: query i
+        sees the first n - L + i + 1 (a lower-right causal mask; plain causal when
+        n == L). Query heads of a group get their KV head repeated (a copy of these K/V
+        only); the unfused math backend, which would materialise the L x n scores, runs
+        only off the GPU (unit tests at small sizes)."""
+        groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
+        L, n = q.shape[0], k.shape[0]
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        with sdpa_kernel(_FUSED_BACKENDS):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        causal = {"is_causal": True} if L == n else {"attn_mask": causal_lower_right(L, n)}
+        with sdpa_kernel(_FUSED_BACKENDS if q.is_cuda else _ANY_BACKEND):
+            out = F.scaled_dot_product_attention(q, k, v, scale=self.scale, **causal)
         return out.squeeze(0).transpose(0, 1)
 
     def _long_prefills(self, batch: ForwardBatch) -> list[int]:

@@ -194,7 +194,7 @@ class MambaMixer(nn.Module):
             # x * rsqrt(mean(x^2) + eps) in float32, rounded to x's dtype: a unit weight
             # changes nothing.
             norm, eps = self.ops.gated_rms_norm, self.bcdt_rms_eps
-            dt = norm(dt, self._unit_dt.to(dt.dtype), eps=eps)
-            B = norm(B, self._unit_bc.to(B.dtype), eps=eps)
-            C = norm(C, self._unit_bc.to(C.dtype), eps=eps)
+            dt = norm(dt, self._unit_dt, eps=eps)
+            B = norm(B, self._unit_bc, eps=eps)
+            C = norm(C, self._unit_bc, eps=eps)
         return dt @ self.dt_proj.weight.t(), B, C

@@ -40,7 +40,9 @@ class PreNormBlock(nn.Module):
     add and the norm, rounded as the add followed by the norm)."""
 
     def pre_norm(self) -> nn.Module:
-        raise NotImplementedError
+        """The norm the block starts with: `input_layernorm` unless the family names it
+        otherwise."""
+        return self.input_layernorm
 
     def forward_residual(
         self, x: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache

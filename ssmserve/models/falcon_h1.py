@@ -138,9 +138,6 @@ class FalconH1DecoderLayer(PreNormBlock):
         self.attention_in_multiplier = self.attention_out_multiplier = 1.0
         self.feed_forward.fold_multipliers()
 
-    def pre_norm(self) -> RMSNorm:
-        return self.input_layernorm
-
     def forward_residual(self, x, hidden, batch: ForwardBatch, cache: LayerCache):
         ssm = self.mamba(_scaled(x, self.ssm_in_multiplier), batch, cache.state)
         attn = self.self_attn(_scaled(x, self.attention_in_multiplier), batch, cache.kv)

@@ -147,9 +147,6 @@ class GraniteMoeHybridDecoderLayer(PreNormBlock):
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
 
-    def pre_norm(self) -> RMSNorm:
-        return self.input_layernorm
-
     def forward_residual(self, x, hidden, batch: ForwardBatch, cache: LayerCache):
         if self.kind == "attention":
             x = self.self_attn(x, batch, cache.kv)

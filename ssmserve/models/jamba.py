@@ -78,9 +78,6 @@ class JambaDecoderLayer(PreNormBlock):
             return LayerCacheSpec(kv=self.self_attn.cache_spec())
         return LayerCacheSpec(state=self.mamba.cache_spec())
 
-    def pre_norm(self) -> RMSNorm:
-        return self.input_layernorm
-
     def forward_residual(self, x, hidden, batch: ForwardBatch, cache: LayerCache):
         if self.kind == "attention":
             out = self.self_attn(x, batch, cache.kv)

@@ -38,9 +38,6 @@ class LlamaDecoderLayer(PreNormBlock):
     def cache_spec(self) -> LayerCacheSpec:
         return LayerCacheSpec(kv=self.self_attn.cache_spec())
 
-    def pre_norm(self) -> RMSNorm:
-        return self.input_layernorm
-
     def forward_residual(self, x, hidden, batch: ForwardBatch, cache: LayerCache):
         out = self.self_attn(x, batch, cache.kv)
         x, hidden = self.post_attention_layernorm.add_forward(out, hidden)
