@@ -9,14 +9,11 @@ Granite-4.0-H-Tiny (64 experts, top-6, hidden 1536, intermediate 512), bf16, sof
 top-k routing from random logits (uneven loads, as real routing has). Sections:
 - accuracy: Triton against the float32 twin on the same bf16 inputs, decode and prefill.
 - graphs: CUDA-graph capture (fails on any host sync) and replay equal to eager, and the
-  decode sizes timed by replay (how the engine decodes: no launch overhead): the default
-  path, the sorted path at the sizes where the per-assignment kernels run by default
-  (where the two cross says ROWS_MAX_TOKENS), and the router's top-k, Triton against
-  PyTorch's ops.
+  decode sizes timed by replay (how the engine decodes: no launch overhead), and the
+  router's top-k, Triton against PyTorch's ops.
 - sizes: eager times at decode and prefill sizes, the twin's beside them at a few.
 - profile: GPU time per launch of one batch-1 call (routing index work and the GEMMs).
-- sweep: launch parameters (`config=`) at 1, 64 and 4096 tokens, and the per-assignment
-  kernels' (`rows_config=`) at 1 and 4.
+- sweep: launch parameters (`config=`) at 1, 64 and 4096 tokens.
 Floor: max(bytes / copy rate, FLOP / bf16 rate), where the bytes are the gate/up/down
 weights of the distinct experts the batch routes to (each read once) plus the
 activations, and the FLOPs 2 x tokens x top_k x 3 x hidden x intermediate.
@@ -45,13 +42,11 @@ from bench_common import (
 )
 
 from ssmserve.kernels.moe import (
-    ROWS_MAX_TOKENS,
     fused_moe_ref,
     fused_moe_triton,
     moe_launch_config,
     moe_route_ref,
     moe_route_triton,
-    moe_rows_config,
 )
 from ssmserve.layers.moe import Routing, select_experts
 
@@ -77,18 +72,10 @@ SWEEP = [
     {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8},
     {"block_m": 64, "block_n": 256, "block_k": 64, "num_warps": 8},
 ]
-ROWS_SWEEP_T = [1, 4]
-ROWS_SWEEP = [
-    {"up_block_n": 8, "down_block_n": 8},
-    {"up_block_n": 32, "down_block_n": 16},
-    {"up_block_n": 16, "down_block_n": 4, "block_k": 256},
-    {"up_block_n": 16, "down_block_n": 8, "block_k": 64, "num_warps": 2},
-    {"up_block_n": 64, "down_block_n": 32, "block_k": 64, "num_warps": 8},
-]
 if OPTS.tiny:
     MODELS = [("tiny", 5, 2, 40, 24), ("tiny-top3", 6, 3, 24, 20)]
     DECODE_T, PREFILL_T, CHECK_T, TWIN_T, SWEEP_T = [1, 4], [40], [1, 7], [4], [1, 40]
-    SWEEP, ROWS_SWEEP = SWEEP[:2], ROWS_SWEEP[:2]
+    SWEEP = SWEEP[:2]
 
 
 def make_inputs(T: int, E: int, K: int, H: int, I: int, seed: int = 0) -> dict[str, Any]:  # noqa: E741
@@ -146,14 +133,6 @@ def graphs() -> None:
             torch.cuda.synchronize()
             record_check(f"{name} T={T} graph replay == eager", {"y": rel_err(out, eager)}, 0.0)
             timed(f"{name} T={T} graph replay", graph.replay, inp)
-            if T <= 4 * ROWS_MAX_TOKENS:
-                other = T if T > ROWS_MAX_TOKENS else 0  # the path the default does not take
-                graph2, _ = capture(
-                    lambda inp=inp, n=other: fused_moe_triton(**inp, rows_max_tokens=n)
-                )
-                path = "per-assignment" if other else "sorted"
-                timed(f"{name} T={T} graph replay, {path} path", graph2.replay, inp)
-                del graph2
             logits = torch.randn(T, E, device=DEV)
             for label, route in (("triton", moe_route_triton), ("torch", moe_route_ref)):
                 g, _ = capture(lambda fn=route, lg=logits, k=K: fn(lg, top_k=k, renormalize=True))
@@ -197,16 +176,6 @@ def sweep() -> None:
                 except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
                     log(f"{label}: failed: {str(exc)[:300]}")
                     RESULTS["errors"].append({"section": label, "traceback": str(exc)})
-            del inp
-        for T in ROWS_SWEEP_T:
-            inp = make_inputs(T, E, K, H, I)
-            for override in ROWS_SWEEP:
-                cfg = moe_rows_config(override)
-                label = f"sweep {name} T={T} per-assignment {override}"
-                fn = lambda inp=inp, cfg=cfg, n=T: fused_moe_triton(  # noqa: E731
-                    **inp, rows_config=cfg, rows_max_tokens=n
-                )
-                timed(label, fn, inp, config=cfg)
             del inp
 
 

@@ -17,13 +17,6 @@ The K output rows of a token are summed in a fixed order, with no atomics: resul
 the same run to run, and within a launch configuration a token's result does not depend
 on which other tokens share its expert's blocks.
 
-Decode-sized calls (at most ROWS_MAX_TOKENS tokens) skip the sort: a GEMV per (token, k)
-assignment computes the gated intermediate, and one program per (token, hidden tile)
-walks the token's K experts in order, adding the weighted down projections in float32
-and storing the result once. Two launches instead of the sort's dozen small kernels plus
-two GEMMs and the sum; an expert two tokens share is read twice (from L2 when they run
-together), which costs less than the index work at these sizes.
-
 `moe_route` is the router's top-k in one launch: softmax or sigmoid scores, an optional
 correction bias that moves the choice, grouped top-k, renormalisation and scaling.
 """
@@ -49,8 +42,6 @@ from ssmserve.kernels._common import (
 # Expert activations: name -> the Triton kernels' code.
 ACTIVATIONS = {"silu": 0, "gelu": 1, "relu2": 2}
 SCORING = ("softmax", "sigmoid")
-# Most tokens a call takes the per-assignment (decode) kernels for; more sort by expert.
-ROWS_MAX_TOKENS = 4
 
 
 def _act_ref(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -333,102 +324,6 @@ def moe_route_triton(
     return weights, ids
 
 
-@lazy_jit
-def _moe_rows_up_kernel(
-    x_ptr,
-    w_ptr,
-    inter_ptr,
-    ids_ptr,
-    top_k,
-    hidden,
-    inter_size,
-    stride_x_t,
-    stride_x_h,
-    stride_w_e,
-    stride_w_n,
-    stride_w_h,
-    stride_i_r,
-    stride_i_n,
-    GATED: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """inter[row, n] for one (token, k) assignment row and BLOCK_N channels: a GEMV of the
-    token against its expert's gate (and up) rows, in float32."""
-    row = tl.program_id(0)
-    token = (row // top_k).to(tl.int64)
-    expert = tl.load(ids_ptr + row).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < inter_size
-    offs_k = tl.arange(0, BLOCK_K)
-    x_row = x_ptr + token * stride_x_t
-    w_rows = w_ptr + expert * stride_w_e + offs_n[:, None].to(tl.int64) * stride_w_n
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k = k0 + offs_k
-        k_ok = k < hidden
-        xk = tl.load(x_row + k * stride_x_h, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        mask = n_ok[:, None] & k_ok[None, :]
-        w = tl.load(w_rows + k[None, :] * stride_w_h, mask=mask, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * xk, axis=1)
-        if GATED:
-            up_ptrs = w_rows + inter_size * stride_w_n + k[None, :] * stride_w_h
-            w_up = tl.load(up_ptrs, mask=mask, other=0.0)
-            acc_up += tl.sum(w_up.to(tl.float32) * xk, axis=1)
-    h = _activate(acc, ACTIVATION)
-    if GATED:
-        h = h * acc_up
-    out_ptrs = inter_ptr + row.to(tl.int64) * stride_i_r + offs_n * stride_i_n
-    tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=n_ok)
-
-
-@lazy_jit
-def _moe_rows_down_kernel(
-    inter_ptr,
-    w_ptr,
-    out_ptr,
-    weights_ptr,
-    ids_ptr,
-    hidden,
-    inter_size,
-    stride_i_r,
-    stride_i_n,
-    stride_w_e,
-    stride_w_h,
-    stride_w_n,
-    stride_o_t,
-    stride_o_h,
-    TOP_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """out[token, h] for BLOCK_N hidden channels: the token's K experts in order, each
-    weight * (inter[row] . down[e, h]), summed in float32, stored once in out's dtype."""
-    token = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < hidden
-    offs_k = tl.arange(0, BLOCK_K)
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        row = token * TOP_K + j
-        expert = tl.load(ids_ptr + row).to(tl.int64)
-        a_row = inter_ptr + row * stride_i_r
-        w_rows = w_ptr + expert * stride_w_e + offs_n[:, None].to(tl.int64) * stride_w_h
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, inter_size, BLOCK_K):
-            k = k0 + offs_k
-            k_ok = k < inter_size
-            a = tl.load(a_row + k * stride_i_n, mask=k_ok, other=0.0).to(tl.float32)
-            w_mask = n_ok[:, None] & k_ok[None, :]
-            w = tl.load(w_rows + k[None, :] * stride_w_n, mask=w_mask, other=0.0)
-            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-        total += tl.load(weights_ptr + row).to(tl.float32) * acc
-    out_ptrs = out_ptr + token * stride_o_t + offs_n * stride_o_h
-    tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
 def align_by_expert_ref(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -703,22 +598,13 @@ def fused_moe_triton(
     activation: str = "silu",
     gated: bool = True,
     config: Mapping[str, Any] | None = None,
-    rows_config: Mapping[str, Any] | None = None,
-    rows_max_tokens: int = ROWS_MAX_TOKENS,
 ) -> torch.Tensor:
     """Triton twin of `fused_moe_ref` (same arguments, shapes and result). No host sync:
-    safe under CUDA graphs. Up to `rows_max_tokens` tokens run the per-assignment
-    kernels, more the sorted grouped GEMMs. `config` overrides the sorted path's launch
-    parameters (see `moe_launch_config`), `rows_config` the other's (`moe_rows_config`);
-    benchmarks and tests only, as is `rows_max_tokens`."""
+    safe under CUDA graphs. `config` overrides the launch parameters (see
+    `moe_launch_config`); benchmarks and tests only."""
     T, H, E, I, K = _check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, gated)
     if T == 0:
         return torch.zeros_like(x)
-    if T <= rows_max_tokens:
-        dims = (T, H, K, I)
-        return _fused_moe_rows(
-            x, w13, w2, topk_weights, topk_ids, dims, activation, gated, rows_config
-        )
     num_rows = T * K
     cfg = moe_launch_config(num_rows, E, config)
     block_m, block_n, block_k = cfg["block_m"], cfg["block_n"], cfg["block_k"]
@@ -779,65 +665,3 @@ def fused_moe_triton(
         **launch,
     )
     return out.view(T, K, H).sum(1).to(x.dtype)
-
-
-def moe_rows_config(config: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Launch parameters of the per-assignment (decode) kernels, `config` overriding the
-    defaults: up_block_n / down_block_n output channels per program of the gate-up and
-    down kernels, block_k the reduction step, num_warps. Not measured yet:
-    benchmarks/kernels/bench_moe.py sweeps them."""
-    default = {"up_block_n": 16, "down_block_n": 8, "block_k": 128, "num_warps": 4}
-    return launch_config("fused_moe rows", default, config)
-
-
-def _fused_moe_rows(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    dims: tuple[int, int, int, int],
-    activation: str,
-    gated: bool,
-    config: Mapping[str, Any] | None,
-) -> torch.Tensor:
-    T, H, K, I = dims  # noqa: E741
-    cfg = moe_rows_config(config)
-    ids = topk_ids.reshape(-1).contiguous()
-    weights = topk_weights.reshape(-1).contiguous()
-    inter = torch.empty(T * K, I, dtype=x.dtype, device=x.device)
-    _moe_rows_up_kernel[(T * K, -(-I // cfg["up_block_n"]))](
-        x,
-        w13,
-        inter,
-        ids,
-        K,
-        H,
-        I,
-        *x.stride(),
-        *w13.stride(),
-        *inter.stride(),
-        GATED=gated,
-        ACTIVATION=ACTIVATIONS[activation],
-        BLOCK_N=cfg["up_block_n"],
-        BLOCK_K=cfg["block_k"],
-        num_warps=cfg["num_warps"],
-    )
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _moe_rows_down_kernel[(T, -(-H // cfg["down_block_n"]))](
-        inter,
-        w2,
-        out,
-        weights,
-        ids,
-        H,
-        I,
-        *inter.stride(),
-        *w2.stride(),
-        *out.stride(),
-        TOP_K=K,
-        BLOCK_N=cfg["down_block_n"],
-        BLOCK_K=cfg["block_k"],
-        num_warps=cfg["num_warps"],
-    )
-    return out

@@ -13,7 +13,6 @@ from triton_testing import DEVICE, requires_triton
 
 from ssmserve.kernels.moe import (
     ALIGN_MAX_ROWS,
-    ROWS_MAX_TOKENS,
     align_by_expert,
     align_by_expert_ref,
     fused_moe_ref,
@@ -21,7 +20,6 @@ from ssmserve.kernels.moe import (
     moe_launch_config,
     moe_route_ref,
     moe_route_triton,
-    moe_rows_config,
 )
 from ssmserve.layers.moe import Routing, select_experts
 
@@ -251,37 +249,6 @@ def test_triton_matches_twin_float32(T, K, E, gated, activation):
     args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
     kw = dict(activation=activation, gated=gated)
     assert_close(fused_moe_triton(*args, **kw), fused_moe_ref(*args, **kw))
-
-
-@requires_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_per_assignment_and_sorted_paths_agree(dtype):
-    """The decode kernels against the sorted grouped GEMMs on the same call: tokens that
-    share an expert, an idle expert, a row stride that is not the hidden size, widths
-    that are not multiples of the tiles (pinned small to make several tiles)."""
-    gen = seeded(8)
-    T, K, E, H, I = ROWS_MAX_TOKENS, 3, 5, 44, 28  # noqa: E741
-    w13, w2 = expert_weights(E, H, I, True, gen, dtype=dtype)
-    wide = randn(T, H + 6, gen=gen, dtype=dtype)
-    logits = randn(T, E, gen=gen)
-    logits[:, 0] += 4.0  # every token routes to expert 0
-    logits[:, 4] -= 30.0  # none to expert 4
-    weights, ids = select_experts(logits, Routing(top_k=K))
-    args = [t.to(DEVICE) for t in (wide[:, 2 : 2 + H], w13, w2, weights, ids)]
-    tiles = {"up_block_n": 8, "down_block_n": 16, "block_k": 16}
-    rows = fused_moe_triton(*args, rows_config=tiles)
-    sorted_path = fused_moe_triton(*args, rows_max_tokens=0)
-    assert rows.dtype == dtype and rows.shape == (T, H)
-    assert_close(rows, sorted_path, dtype=dtype)
-    ref = fused_moe_ref(*(t.float() if t.is_floating_point() else t for t in args))
-    assert_close(rows, ref, dtype=dtype)
-    # A token's result does not depend on the others in the call.
-    one = [a[1:2] if a.dim() == 2 and a.shape[0] == T else a for a in args]
-    alone = fused_moe_triton(*one, rows_config=tiles)
-    assert torch.equal(rows[1:2], alone)
-    assert moe_rows_config({"num_warps": 2})["num_warps"] == 2
-    with pytest.raises(ValueError, match="unknown launch parameter"):
-        fused_moe_triton(*args, rows_config={"block_m": 16})
 
 
 @requires_triton
