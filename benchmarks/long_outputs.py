@@ -34,6 +34,7 @@ import torch
 from ssmserve.bench.common import device_name, fmt, markdown_table, run_metadata, write_json
 from ssmserve.bench.floors import device_peaks, engine_costs, floor_s, meta_model, model_costs
 from ssmserve.config import EngineConfig, ModelConfig, add_engine_args
+from ssmserve.engine.collector import freeze_engine_objects
 from ssmserve.engine.engine import LLMEngine
 from ssmserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -168,6 +169,7 @@ def measure(
             cache_memory=budget,
         )
     )
+    freeze_engine_objects()  # as the server does; engine.shutdown() thaws
     batch = min(batch, engine.scheduler.max_num_seqs)
     remaining = args.input_len + args.output_len - args.context
     result = steady_decode(engine, batch, args.context, args.window, remaining, random.Random(0))

@@ -11,7 +11,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ssmserve.config import EngineConfig
-from ssmserve.engine.engine import LLMEngine, PromptType, freeze_startup_objects
+from ssmserve.engine.collector import freeze_startup_objects
+from ssmserve.engine.engine import LLMEngine, PromptType
 from ssmserve.outputs import RequestOutput
 from ssmserve.sampling_params import RequestOutputKind, SamplingParams
 

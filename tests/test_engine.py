@@ -329,3 +329,41 @@ def test_startup_objects_are_frozen_once_and_engines_are_still_collected(checkpo
     assert all(ref() is None for ref in dropped), "a dropped engine or LLM was not collected"
     assert gc.get_freeze_count() == frozen
     second.shutdown()
+
+
+def test_a_frozen_engine_dies_by_reference_counting_and_shutdown_thaws(checkpoint):
+    """`freeze_engine_objects` (the server, the benchmarks) keeps a built engine out of the
+    cyclic collector, which could then never free it: so nothing of an engine may sit in a
+    reference cycle. Dropped with the collector off, the engine, its runner, model and
+    caches are freed at once; `shutdown()` gives everything frozen back to the collector."""
+    import gc
+    import weakref
+
+    from ssmserve.engine.collector import freeze_engine_objects
+
+    config = EngineConfig(model=checkpoint("bamba"), device="cpu", dtype="float32")
+    engine = LLMEngine(config)
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    before = gc.get_freeze_count()
+    freeze_engine_objects()
+    assert gc.get_freeze_count() > before
+    runner = engine.executor.runner
+    parts = [engine, engine.executor, runner, runner.model, engine.scheduler]
+    parts += [t for t in (engine.state_pool, engine.block_pool) if t is not None]
+    parts += list(runner.model.parameters())[:2]
+    parts += [t for c in runner.caches for p in (c.kv, c.state) if p for t in p if t is not None]
+    refs = [weakref.ref(p) for p in parts]
+    del parts, runner
+    gc.disable()
+    try:
+        del engine
+        alive = [r() for r in refs if r() is not None]
+        assert not alive, f"kept alive by a reference cycle: {[type(a).__name__ for a in alive]}"
+    finally:
+        gc.enable()
+    other = LLMEngine(config)
+    freeze_engine_objects()
+    other.shutdown()
+    assert gc.get_freeze_count() == 0

@@ -209,9 +209,11 @@ def _engine_and_floors(args: argparse.Namespace):
     """The engine of the run, the device's peaks (or None) and the model's costs."""
     from ssmserve.bench.common import device_name
     from ssmserve.bench.floors import device_peaks, engine_costs
+    from ssmserve.engine.collector import freeze_engine_objects
     from ssmserve.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig.from_args(args, model=args.model))
+    freeze_engine_objects()  # as the server does: full collections stall the loop
     peaks = device_peaks(device_name(engine.device), args.bandwidth, args.peak_tflops)
     return engine, peaks, engine_costs(engine)
 

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from ssmserve.config import EngineConfig, ModelConfig
 from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.distributed.pipeline import stage_layers
+from ssmserve.engine.collector import freeze_engine_objects
 from ssmserve.layers.batch import sampled_rows_read
 
 logger = logging.getLogger(__name__)
@@ -405,6 +406,7 @@ def run_worker(
             method, args = pickle.loads(_recv(size, torch.uint8, layout.control).numpy().tobytes())
             result = getattr(runner, method)(*args)
             dist.gather_object(result, None, dst=0, group=layout.control)
+            freeze_engine_objects()  # the build is done in calls; this process is the shard's
         else:
             break
     dist.destroy_process_group()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import math
 import os
@@ -32,6 +31,7 @@ from ssmserve.distributed.executor import (
     torchrun_rank,
 )
 from ssmserve.distributed.parallel import TensorParallel
+from ssmserve.engine.collector import freeze_startup_objects, thaw_engine_objects
 from ssmserve.engine.model_runner import ModelRunner, order_chunks, step_inputs
 from ssmserve.engine.output_processor import Group, OutputProcessor
 from ssmserve.engine.sampler import PendingSample, Sampler, SamplerOutput, SamplingRow
@@ -64,17 +64,6 @@ class RequestFailedError(RuntimeError):
         super().__init__(f"{len(failures)} request(s) failed: {detail}")
         self.failures = failures
         self.outputs = outputs
-
-
-def freeze_startup_objects() -> None:
-    """Before the first engine of the process, keep the objects that exist (hundreds of
-    thousands from the imported libraries alone) out of Python's cyclic collector: each
-    full collection stops the step loop for as long as it takes to walk every tracked
-    object, and these never die. Once per process, after a collection (so no garbage is
-    kept): engines built later, and what they make, are collected as usual."""
-    if gc.get_freeze_count() == 0:
-        gc.collect()
-        gc.freeze()
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -250,6 +239,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop tensor-parallel workers and free the caches; the engine is unusable after."""
         self.executor.shutdown()
+        thaw_engine_objects()
 
     # -- requests ---------------------------------------------------------------------
 

@@ -94,9 +94,12 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_config(cls, config: Any) -> AsyncLLMEngine:
+        from ssmserve.engine.collector import freeze_engine_objects
         from ssmserve.engine.engine import LLMEngine
 
-        return cls(LLMEngine(config))
+        engine = LLMEngine(config)
+        freeze_engine_objects()  # the server keeps this engine for its life
+        return cls(engine)
 
     # ----------------------------------------------------------------- lifecycle
 
