@@ -17,9 +17,10 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--min-tokens", type=int, default=0)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    model_default = "default: the model's generation_config.json, else %s"
+    g.add_argument("--top-p", type=float, default=None, help=model_default % 1.0)
+    g.add_argument("--top-k", type=int, default=None, help=model_default % "0 (off)")
+    g.add_argument("--min-p", type=float, default=None, help=model_default % 0.0)
     g.add_argument(
         "--seed-sampling",
         dest="sampling_seed",
@@ -30,37 +31,43 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--n", type=int, default=1, help="completions per prompt")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--repetition-penalty", type=float, default=None, help=model_default % 1.0)
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
 
 
-def _sampling_params(args: argparse.Namespace):
+def _sampling_params(args: argparse.Namespace, defaults: dict | None = None):
+    """The flags' SamplingParams; filters and penalties left unset take `defaults` (the
+    model's generation_config.json), else the built-in defaults."""
     from ssmserve.sampling_params import SamplingParams
 
-    return SamplingParams(
+    kwargs = dict(
         n=args.n,
         max_tokens=args.max_tokens,
         min_tokens=args.min_tokens,
         temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
         seed=args.sampling_seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
-        repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
     )
+    for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
+        value = getattr(args, name)
+        if value is None:
+            value = (defaults or {}).get(name)
+        if value is not None:
+            kwargs[name] = value
+    return SamplingParams(**kwargs)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from ssmserve.engine.engine import InvalidRequestError, LLMEngine
 
     try:
-        params = _sampling_params(args)
+        _sampling_params(args)  # bad flags fail before the model loads
         engine = LLMEngine(EngineConfig.from_args(args, model=args.model))
+        params = _sampling_params(args, engine.sampling_defaults)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -131,6 +131,9 @@ class ModelConfig:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    # Sampling defaults the checkpoint's generation_config.json sets (see
+    # `sampling_defaults_from`); requests that leave a field unset take them.
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_hf(cls, path: str, max_model_len: int | None = None) -> ModelConfig:
@@ -148,10 +151,8 @@ class ModelConfig:
             )
         hf_config = load_hf_config(path)
         eos = raw.get("eos_token_id")
-        gen_path = os.path.join(path, "generation_config.json")
-        if os.path.isfile(gen_path):
-            with open(gen_path) as f:
-                eos = json.load(f).get("eos_token_id", eos)
+        generation = read_generation_config(path)
+        eos = generation.get("eos_token_id", eos)
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         # Attention layers have a trained position range; pure SSMs have none.
         limit = raw.get("max_position_embeddings") or 131072
@@ -166,7 +167,27 @@ class ModelConfig:
             max_model_len=max_model_len,
             vocab_size=raw["vocab_size"],
             eos_token_ids=eos_ids,
+            sampling_defaults=sampling_defaults_from(generation),
         )
+
+
+# generation_config.json fields that become sampling defaults, as vLLM's
+# --generation-config auto takes them.
+GENERATION_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_generation_config(folder: str) -> dict[str, Any]:
+    """The folder's generation_config.json, or {} when it has none."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def sampling_defaults_from(generation: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields a generation config sets (vLLM's --generation-config auto)."""
+    return {k: generation[k] for k in GENERATION_SAMPLING_FIELDS if generation.get(k) is not None}
 
 
 def _flag(default: Any, help: str, **cli: Any) -> Any:
@@ -246,6 +267,12 @@ class EngineConfig:
         "cublas = F.linear; triton = the Triton GEMV kernel, which reads each weight once "
         "(needs a Triton kernel_backend; docs/kernels.md)",
         choices=DECODE_GEMV,
+    )
+    generation_config: str = _flag(
+        "auto",
+        "where requests that leave temperature, top_p, top_k, min_p or repetition_penalty "
+        "unset take them from: auto = the checkpoint's generation_config.json; vllm = the "
+        "built-in defaults; or a folder holding a generation_config.json",
     )
     load_format: str = _flag(
         "auto",

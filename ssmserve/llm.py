@@ -46,6 +46,12 @@ class LLM:
         """Drop every cached prefix no request is using; True if nothing is left."""
         return self.llm_engine.reset_prefix_cache()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams `generate` and `chat` use when given none: the built-in
+        defaults, with those the checkpoint's generation_config.json sets (temperature,
+        top_p, top_k, min_p, repetition_penalty) unless `generation_config="vllm"`."""
+        return self.llm_engine.default_sampling_params()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -58,7 +64,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

@@ -19,9 +19,11 @@ from ssmserve.config import (
     EngineConfig,
     ModelConfig,
     load_tokenizer,
+    read_generation_config,
     resolve_model_path,
     resolve_tokenizer_path,
     resolve_torch_dtype,
+    sampling_defaults_from,
 )
 from ssmserve.distributed.executor import (
     DistributedExecutor,
@@ -115,6 +117,7 @@ class LLMEngine:
         path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_hf(path, config.max_model_len)
         self.model_name = config.model or DEFAULT_MODEL_NAME
+        self.sampling_defaults = self._sampling_defaults()
         self.device = _resolve_device(config.device)
         dtype_name = resolve_torch_dtype(
             config.dtype, self.device.type, self.model_config.hf_config
@@ -143,6 +146,38 @@ class LLMEngine:
         self.prompt_tokens_total = 0
 
     # -- construction ---------------------------------------------------------------
+
+    def _sampling_defaults(self) -> dict[str, Any]:
+        source = self.config.generation_config
+        if source == "vllm":
+            return {}
+        if source == "auto":
+            defaults, origin = self.model_config.sampling_defaults, "the checkpoint's"
+        elif os.path.isfile(os.path.join(source, "generation_config.json")):
+            defaults = sampling_defaults_from(read_generation_config(source))
+            origin = f"{source}'s"
+        else:
+            raise ValueError(
+                f"generation_config must be auto, vllm or a folder holding a "
+                f"generation_config.json; got {source!r}"
+            )
+        try:
+            SamplingParams(**defaults)
+        except ValueError as exc:
+            raise ValueError(f"{origin} generation_config.json: {exc}") from exc
+        if defaults:
+            logger.info(
+                "sampling defaults from %s generation_config.json: %s (a request that sets "
+                "a field keeps its own; --generation-config vllm ignores them)",
+                origin,
+                ", ".join(f"{k}={v}" for k, v in defaults.items()),
+            )
+        return dict(defaults)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the defaults of `generation_config` (vLLM's
+        get_default_sampling_params)."""
+        return SamplingParams(**self.sampling_defaults)
 
     def _setup_caches(self) -> None:
         cfg = self.config

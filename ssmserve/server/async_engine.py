@@ -81,6 +81,7 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.model_config.max_model_len
+        self.sampling_defaults: dict[str, Any] = engine.sampling_defaults
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stop = False

@@ -173,6 +173,7 @@ class Chat:
             req,
             max_tokens=req.max_completion_tokens or req.max_tokens,
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+            defaults=ctx.sampling_defaults,
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         timing = Timing(ctx.metrics)

@@ -61,6 +61,7 @@ class Completions:
             max_tokens=1 if echo_only else req.max_tokens,
             logprobs=req.logprobs,
             prompt_logprobs=echo_logprobs,
+            defaults=ctx.sampling_defaults,
         )
         engine_prompts = await asyncio.gather(*(self._engine_prompt(p) for p in prompts))
         request_id = f"cmpl-{uuid.uuid4().hex}"

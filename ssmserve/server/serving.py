@@ -71,6 +71,7 @@ class ServingContext:
             names = list(served_model_name) or [async_engine.model_name]
         self.async_engine = async_engine
         self.tokenizer = async_engine.tokenizer
+        self.sampling_defaults: dict[str, Any] = async_engine.sampling_defaults
         self.names = names
         self.model_name = names[0]  # the name reported in responses
         self.metrics = ServerMetrics(async_engine.stats)
@@ -193,8 +194,11 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """The engine's SamplingParams of a request; a 400 naming the field when one is bad."""
+    """The engine's SamplingParams of a request; a 400 naming the field when one is bad.
+    Optional fields the request leaves unset take `defaults` (the model's
+    generation_config.json, `--generation-config`), else the built-in defaults."""
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     kwargs: dict[str, Any] = dict(
@@ -210,8 +214,11 @@ def sampling_params(
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
     )
+    defaults = defaults or {}
     for name in _OPTIONAL_SAMPLING_FIELDS:
         value = getattr(req, name)
+        if value is None:
+            value = defaults.get(name)
         if value is not None:
             kwargs[name] = value
     try:
