@@ -39,7 +39,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def _sampling_params(args: argparse.Namespace, defaults: dict | None = None):
     """The flags' SamplingParams; filters and penalties left unset take `defaults` (the
     model's generation_config.json), else the built-in defaults."""
-    from ssmserve.sampling_params import SamplingParams
+    from ssmserve.sampling_params import SamplingParams, with_defaults
 
     kwargs = dict(
         n=args.n,
@@ -52,12 +52,8 @@ def _sampling_params(args: argparse.Namespace, defaults: dict | None = None):
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
     )
-    for name in ("top_p", "top_k", "min_p", "repetition_penalty"):
-        value = getattr(args, name)
-        if value is None:
-            value = (defaults or {}).get(name)
-        if value is not None:
-            kwargs[name] = value
+    optional = {k: getattr(args, k) for k in ("top_p", "top_k", "min_p", "repetition_penalty")}
+    kwargs.update(with_defaults(optional, defaults))
     return SamplingParams(**kwargs)
 
 

@@ -131,9 +131,6 @@ class ModelConfig:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
-    # Sampling defaults the checkpoint's generation_config.json sets (see
-    # `sampling_defaults_from`); requests that leave a field unset take them.
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_hf(cls, path: str, max_model_len: int | None = None) -> ModelConfig:
@@ -151,8 +148,7 @@ class ModelConfig:
             )
         hf_config = load_hf_config(path)
         eos = raw.get("eos_token_id")
-        generation = read_generation_config(path)
-        eos = generation.get("eos_token_id", eos)
+        eos = read_generation_config(path).get("eos_token_id", eos)
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         # Attention layers have a trained position range; pure SSMs have none.
         limit = raw.get("max_position_embeddings") or 131072
@@ -167,7 +163,6 @@ class ModelConfig:
             max_model_len=max_model_len,
             vocab_size=raw["vocab_size"],
             eos_token_ids=eos_ids,
-            sampling_defaults=sampling_defaults_from(generation),
         )
 
 

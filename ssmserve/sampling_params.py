@@ -14,6 +14,15 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 MAX_TOP_K = 2**31 - 1
 
 
+def with_defaults(given: dict, defaults: dict | None) -> dict:
+    """`given` (None = unset) with each unset field taken from `defaults` (a model's
+    generation_config.json); fields unset in both are left out, for SamplingParams'
+    own defaults."""
+    defaults = defaults or {}
+    merged = {k: defaults.get(k) if v is None else v for k, v in given.items()}
+    return {k: v for k, v in merged.items() if v is not None}
+
+
 class RequestOutputKind(enum.Enum):
     """What each RequestOutput of a request carries (vLLM's names)."""
 

@@ -30,6 +30,23 @@ def test_graph_decode_equals_eager_decode(checkpoint, variant):
     assert stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0
 
 
+def _twin_kwargs(**overrides) -> dict:
+    """Engine arguments of a GPU run checked against the CPU twins (float32, torch ops);
+    each prompt is prefilled whole (prefix caching would hold back its last token)."""
+    common = dict(dtype="float32", max_model_len=2048, cache_memory=2**28)
+    return dict(common, kernel_backend="torch", enable_prefix_caching=False, **overrides)
+
+
+def _assert_same_as_twins(cpu, gpu) -> None:
+    """Every prompt token's logprob within 2e-3 of the CPU run's, the same greedy tokens."""
+    for a, b in zip(cpu, gpu):
+        tokens = a.prompt_token_ids
+        for i in range(1, len(tokens)):
+            want = a.prompt_logprobs[i][tokens[i]].logprob
+            assert abs(want - b.prompt_logprobs[i][tokens[i]].logprob) < 2e-3, i
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("variant", ["bamba", "llama"])
 def test_fused_prefill_attention_equals_cpu_paged(checkpoint, variant, monkeypatch):
     """Long fresh prompts take PyTorch's fused attention on the GPU, the others the paged
@@ -42,15 +59,7 @@ def test_fused_prefill_attention_equals_cpu_paged(checkpoint, variant, monkeypat
         for n in (long_len, 5, long_len + 200, 40)
     ]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0)
-    kwargs = dict(
-        dtype="float32",
-        max_num_seqs=8,
-        max_model_len=2048,
-        cache_memory=2**28,
-        max_num_batched_tokens=4096,
-        kernel_backend="torch",
-        enable_prefix_caching=False,  # a prompt in one chunk (caching holds back its last token)
-    )
+    kwargs = _twin_kwargs(max_num_seqs=8, max_num_batched_tokens=4096)
     cpu = LLM(checkpoint(variant), device="cpu", **kwargs).generate(prompts, params)
     fused_lengths = []
     fused = Attention._fused_causal
@@ -64,17 +73,7 @@ def test_fused_prefill_attention_equals_cpu_paged(checkpoint, variant, monkeypat
     )
     # Each long prompt went through the fused path once per attention layer.
     assert sorted(set(fused_lengths)) == [long_len, long_len + 200]
-    for a, b in zip(cpu, gpu):
-        tokens = a.prompt_token_ids
-        for i in range(1, len(tokens)):
-            assert (
-                abs(
-                    a.prompt_logprobs[i][tokens[i]].logprob
-                    - b.prompt_logprobs[i][tokens[i]].logprob
-                )
-                < 2e-3
-            )
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    _assert_same_as_twins(cpu, gpu)
 
 
 @pytest.mark.parametrize("variant", ["bamba", "llama"])
@@ -91,15 +90,7 @@ def test_fused_prefill_attention_with_cached_context_equals_cpu_paged(
     n = 2 * chunk + 100  # chunks of chunk, chunk (cached context) and 100 tokens
     prompts = [{"prompt_token_ids": [3 + (5 * i) % 250 for i in range(n)]}]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0)
-    kwargs = dict(
-        dtype="float32",
-        max_num_seqs=4,
-        max_model_len=2048,
-        cache_memory=2**28,
-        max_num_batched_tokens=chunk,
-        kernel_backend="torch",
-        enable_prefix_caching=False,
-    )
+    kwargs = _twin_kwargs(max_num_seqs=4, max_num_batched_tokens=chunk)
     cpu = LLM(checkpoint(variant), device="cpu", **kwargs).generate(prompts, params)
     contexts = []
     fused = Attention._fused_with_context
@@ -116,11 +107,7 @@ def test_fused_prefill_attention_with_cached_context_equals_cpu_paged(
         prompts, params
     )
     assert sorted(set(contexts)) == [chunk]
-    tokens = cpu[0].prompt_token_ids
-    for i in range(1, n):
-        a = cpu[0].prompt_logprobs[i][tokens[i]].logprob
-        assert abs(a - gpu[0].prompt_logprobs[i][tokens[i]].logprob) < 2e-3, i
-    assert cpu[0].outputs[0].token_ids == gpu[0].outputs[0].token_ids
+    _assert_same_as_twins(cpu, gpu)
 
 
 @pytest.mark.parametrize("variant", ["bamba", "mamba2", "mamba", "llama"])

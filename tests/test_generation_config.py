@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from ssmserve import LLM, SamplingParams
-from ssmserve.config import ModelConfig
+from ssmserve.config import read_generation_config, sampling_defaults_from
 from ssmserve.server.protocol import CompletionRequest
 from ssmserve.server.serving import sampling_params
 
@@ -33,7 +33,7 @@ def folder(checkpoint, tmp_path_factory):
 
 
 def test_the_sampling_fields_are_read_and_nothing_else(folder):
-    defaults = ModelConfig.from_hf(folder).sampling_defaults
+    defaults = sampling_defaults_from(read_generation_config(folder))
     assert defaults == {"temperature": 0.0, "repetition_penalty": 1.7, "top_k": 5}
 
 

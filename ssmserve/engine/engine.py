@@ -151,28 +151,26 @@ class LLMEngine:
         source = self.config.generation_config
         if source == "vllm":
             return {}
-        if source == "auto":
-            defaults, origin = self.model_config.sampling_defaults, "the checkpoint's"
-        elif os.path.isfile(os.path.join(source, "generation_config.json")):
-            defaults = sampling_defaults_from(read_generation_config(source))
-            origin = f"{source}'s"
-        else:
+        folder = self.model_config.path if source == "auto" else source
+        path = os.path.join(folder, "generation_config.json")
+        if source != "auto" and not os.path.isfile(path):
             raise ValueError(
                 f"generation_config must be auto, vllm or a folder holding a "
                 f"generation_config.json; got {source!r}"
             )
+        defaults = sampling_defaults_from(read_generation_config(folder))
         try:
             SamplingParams(**defaults)
         except ValueError as exc:
-            raise ValueError(f"{origin} generation_config.json: {exc}") from exc
+            raise ValueError(f"{path}: {exc}") from exc
         if defaults:
             logger.info(
-                "sampling defaults from %s generation_config.json: %s (a request that sets "
-                "a field keeps its own; --generation-config vllm ignores them)",
-                origin,
+                "sampling defaults from %s: %s (a request that sets a field keeps its own; "
+                "--generation-config vllm ignores them)",
+                path,
                 ", ".join(f"{k}={v}" for k, v in defaults.items()),
             )
-        return dict(defaults)
+        return defaults
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the defaults of `generation_config` (vLLM's

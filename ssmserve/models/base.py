@@ -32,6 +32,12 @@ GATE_UP_RULES: tuple[NameRule, ...] = (
 )
 
 
+def scaled(x: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """x * multiplier, skipped (no kernel) when the multiplier is 1, as it is once folded
+    into the weights (`CausalLM.fold_constants`)."""
+    return x if multiplier == 1.0 else x * multiplier
+
+
 class PreNormBlock(nn.Module):
     """A decoder block that starts with an RMSNorm of its input and ends by adding its
     last branch's output to the residual stream: `forward(h)` is `h' + out` for
@@ -113,8 +119,14 @@ class CausalLM(nn.Module):
 
     def fold_constants(self) -> None:
         """Fold constant scales into the loaded weights, once, after loading (or dummy
-        init): a family with multipliers on linear outputs (Falcon-H1's µP) saves the
-        elementwise kernels they would cost in every step. Default: nothing."""
+        init): a family with multipliers on linear outputs (Falcon-H1's µP, Granite's
+        residual multiplier) saves the elementwise kernels they would cost in every step.
+        Each of this stage's decoder layers with a `fold_multipliers()` folds its own."""
+        layers = self.decoder_layers()
+        for i in self.stage.layers:
+            fold = getattr(layers[i], "fold_multipliers", None)
+            if fold is not None:
+                fold()
 
     # -- shared --------------------------------------------------------------------
 

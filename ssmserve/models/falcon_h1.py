@@ -34,11 +34,8 @@ from ssmserve.models.base import (
     ModelContext,
     PreNormBlock,
     bamba_style_mamba2,
+    scaled,
 )
-
-
-def _scaled(x: torch.Tensor, multiplier: float) -> torch.Tensor:
-    return x if multiplier == 1.0 else x * multiplier
 
 
 class ScaledEmbedding(VocabParallelEmbedding):
@@ -50,7 +47,7 @@ class ScaledEmbedding(VocabParallelEmbedding):
         self.multiplier = float(multiplier)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return _scaled(super().forward(ids), self.multiplier)
+        return scaled(super().forward(ids), self.multiplier)
 
 
 class FalconH1MLP(GatedMLP):
@@ -73,8 +70,8 @@ class FalconH1MLP(GatedMLP):
         if self.gate_multiplier == self.down_multiplier == 1.0:
             return super().forward(x)
         gate, up = self.gate_up_proj(x).split(self.gate_up_proj.output_sizes, dim=-1)
-        y = up * self.act(_scaled(gate, self.gate_multiplier))
-        return _scaled(self.down_proj(y), self.down_multiplier)
+        y = up * self.act(scaled(gate, self.gate_multiplier))
+        return scaled(self.down_proj(y), self.down_multiplier)
 
 
 def _mamba(cfg, ctx: ModelContext) -> Mamba2Mixer:
@@ -139,9 +136,9 @@ class FalconH1DecoderLayer(PreNormBlock):
         self.feed_forward.fold_multipliers()
 
     def forward_residual(self, x, hidden, batch: ForwardBatch, cache: LayerCache):
-        ssm = self.mamba(_scaled(x, self.ssm_in_multiplier), batch, cache.state)
-        attn = self.self_attn(_scaled(x, self.attention_in_multiplier), batch, cache.kv)
-        mixed = _scaled(ssm, self.ssm_out_multiplier) + _scaled(attn, self.attention_out_multiplier)
+        ssm = self.mamba(scaled(x, self.ssm_in_multiplier), batch, cache.state)
+        attn = self.self_attn(scaled(x, self.attention_in_multiplier), batch, cache.kv)
+        mixed = scaled(ssm, self.ssm_out_multiplier) + scaled(attn, self.attention_out_multiplier)
         x, hidden = self.pre_ff_layernorm.add_forward(mixed, hidden)
         return self.feed_forward(x), hidden
 
@@ -174,10 +171,5 @@ class FalconH1ForCausalLM(CausalLM):
     def final_norm(self) -> nn.Module:
         return self.model.final_layernorm
 
-    def fold_constants(self) -> None:
-        layers = self.decoder_layers()
-        for i in self.stage.layers:
-            layers[i].fold_multipliers()
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _scaled(super().compute_logits(hidden), self.lm_head_multiplier)
+        return scaled(super().compute_logits(hidden), self.lm_head_multiplier)

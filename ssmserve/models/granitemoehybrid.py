@@ -29,6 +29,7 @@ from ssmserve.models.base import (
     NameRule,
     PreNormBlock,
     bamba_style_mamba2,
+    scaled,
 )
 
 # transformers' config maps the legacy names ("mamba", "attention") to these.
@@ -144,20 +145,19 @@ class GraniteMoeHybridDecoderLayer(PreNormBlock):
             down.copy_(down.float() * m)
         self.residual_multiplier = 1.0
 
-    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
-
     def forward_residual(self, x, hidden, batch: ForwardBatch, cache: LayerCache):
         if self.kind == "attention":
             x = self.self_attn(x, batch, cache.kv)
         else:
             x = self.mamba(x, batch, cache.state)
-        x, hidden = self.post_attention_layernorm.add_forward(self._scaled(x), hidden)
+        x, hidden = self.post_attention_layernorm.add_forward(
+            scaled(x, self.residual_multiplier), hidden
+        )
         if self.block_sparse_moe is None:
             x = self.shared_mlp(x)
         else:
             x = self.tp.all_reduce(self.block_sparse_moe(x) + self.shared_mlp(x))
-        return self._scaled(x), hidden
+        return scaled(x, self.residual_multiplier), hidden
 
 
 class GraniteMoeHybridForCausalLM(CausalLM):
@@ -186,11 +186,6 @@ class GraniteMoeHybridForCausalLM(CausalLM):
 
     def final_norm(self) -> nn.Module:
         return self.model.norm
-
-    def fold_constants(self) -> None:
-        layers = self.decoder_layers()
-        for i in self.stage.layers:
-            layers[i].fold_multipliers()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) / self.logits_scaling

@@ -12,7 +12,7 @@ from typing import Any
 from starlette.requests import Request
 
 from ssmserve.outputs import RequestOutput
-from ssmserve.sampling_params import SamplingParams
+from ssmserve.sampling_params import SamplingParams, with_defaults
 from ssmserve.server.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
@@ -214,13 +214,8 @@ def sampling_params(
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
     )
-    defaults = defaults or {}
-    for name in _OPTIONAL_SAMPLING_FIELDS:
-        value = getattr(req, name)
-        if value is None:
-            value = defaults.get(name)
-        if value is not None:
-            kwargs[name] = value
+    optional = {k: getattr(req, k) for k in _OPTIONAL_SAMPLING_FIELDS}
+    kwargs.update(with_defaults(optional, defaults))
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
