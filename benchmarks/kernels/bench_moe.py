@@ -13,7 +13,7 @@ top-k routing from random logits (uneven loads, as real routing has). Sections:
   router's top-k, Triton against PyTorch's ops.
 - sizes: eager times at decode and prefill sizes, the twin's beside them at a few.
 - profile: GPU time per launch of one batch-1 call (routing index work and the GEMMs).
-- sweep: launch parameters (`config=`) at 1, 64 and 4096 tokens.
+- sweep: launch parameters (`config=`) at 1, 64, 256 and 4096 tokens.
 Floor: max(bytes / copy rate, FLOP / bf16 rate), where the bytes are the gate/up/down
 weights of the distinct experts the batch routes to (each read once) plus the
 activations, and the FLOPs 2 x tokens x top_k x 3 x hidden x intermediate.
@@ -58,7 +58,7 @@ DECODE_T = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 PREFILL_T = [1024, 4096, 8192]
 CHECK_T = [1, 16, 256, 2048]
 TWIN_T = [1, 256, 4096]
-SWEEP_T = [1, 64, 4096]
+SWEEP_T = [1, 64, 256, 4096]
 SWEEP = [
     {"block_m": 16, "block_n": 32, "block_k": 128},
     {"block_m": 16, "block_n": 64, "block_k": 64, "num_stages": 4},
