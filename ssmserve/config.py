@@ -12,7 +12,6 @@ from importlib import resources
 from typing import Any
 
 from ssmserve.kernels import BACKENDS as KERNEL_BACKENDS
-from ssmserve.kernels import DECODE_GEMV
 
 logger = logging.getLogger(__name__)
 
@@ -255,13 +254,6 @@ class EngineConfig:
         "auto = PyTorch reference ops on CPU; on CUDA hopper (Triton + the Gluon SSD scan) "
         "on sm_90, else triton (docs/kernels.md)",
         choices=KERNEL_BACKENDS,
-    )
-    decode_gemv: str = _flag(
-        "cublas",
-        "what the linear layers run inputs of at most 4 rows (decode at small batch) on: "
-        "cublas = F.linear; triton = the Triton GEMV kernel, which reads each weight once "
-        "(needs a Triton kernel_backend; docs/kernels.md)",
-        choices=DECODE_GEMV,
     )
     generation_config: str = _flag(
         "auto",

@@ -4,10 +4,8 @@ progress bar of LLM.generate."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -451,40 +449,3 @@ def test_decode_profile_times_a_built_decode_step_without_prefilling(checkpoint,
         and abs(sum(k["us"] for k in kernels) - report["busy_us"]) < 1e-6 * report["busy_us"] + 1e-9
     )
     assert any(k["kernel"] == "aten::mm" for k in kernels)
-
-
-def run_gemv_bench(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    script = ROOT / "benchmarks" / "kernels" / "bench_gemv.py"
-    return subprocess.run(
-        [sys.executable, str(script), "--tiny", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def test_gemv_bench_takes_the_decode_shapes_from_the_model_configs():
-    proc = run_gemv_bench("--list-shapes")
-    assert proc.returncode == 0, proc.stderr
-    shapes = {(n, k): label for label, n, k in json.loads(proc.stdout.strip().splitlines()[-1])}
-    assert "mamba2-2.7b in_proj" in shapes[(10576, 2560)]
-    assert "mamba-2.8b out_proj" in shapes[(2560, 5120)]
-    assert "mamba-2.8b x_proj" in shapes[(192, 5120)]
-    assert "llama-3-8b qkv_proj" in shapes[(6144, 4096)]
-    assert "bamba-9b lm_head" in shapes[(128256, 4096)]
-
-
-def test_gemv_bench_smoke_run_checks_times_and_writes_json(tmp_path):
-    pytest.importorskip("triton")
-    out = tmp_path / "gemv.json"
-    proc = run_gemv_bench("--out", str(out))
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(out.read_text())
-    assert not result["errors"], result["errors"]
-    assert result["checks"] and all(c["ok"] for c in result["checks"])
-    names = [t["name"] for t in result["timings"]]
-    assert any(n.endswith("F.linear") for n in names) and any("gemv best" in n for n in names)
-    assert "| gemv best us |" in (tmp_path / "gemv.md").read_text()

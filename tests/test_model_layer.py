@@ -3,7 +3,6 @@ and the loader's and mixers' refusals."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 
@@ -16,13 +15,7 @@ from ssmserve import LLM
 from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.kernels import get_ops
 from ssmserve.layers.embed import VocabParallelEmbedding
-from ssmserve.layers.linear import (
-    GEMV_MAX_ROWS,
-    ColumnParallelLinear,
-    QKVParallelLinear,
-    ReplicatedLinear,
-    RowParallelLinear,
-)
+from ssmserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ssmserve.layers.mamba2_mixer import Mamba2Shard
 
 
@@ -56,53 +49,6 @@ def test_row_parallel_partial_products_sum_to_the_whole_product(size):
         cols = layer.weight.columns.rows
         total += F.linear(x[:, cols.start : cols.stop], layer.weight)
     torch.testing.assert_close(total, F.linear(x, weight))
-
-
-def recording_gemv_ops(calls: list[tuple[int, bool]]):
-    """Ops whose decode_gemv is "triton", with a GEMV that records (rows, has bias)."""
-
-    def gemv(x, weight, bias=None):
-        calls.append((x.shape[0], bias is not None))
-        return F.linear(x, weight, bias)
-
-    return dataclasses.replace(get_ops("torch", "cpu"), decode_gemv="triton", gemv=gemv)
-
-
-def test_linears_run_decode_sized_inputs_on_the_gemv_only_when_asked():
-    calls: list[tuple[int, bool]] = []
-    ops = recording_gemv_ops(calls)
-    tp = TensorParallel()
-    layers = [
-        ColumnParallelLinear.even(5, [7], tp, bias=True, ops=ops),
-        RowParallelLinear(5, 7, tp, bias=True, ops=ops),
-        ReplicatedLinear(5, 7, bias=True, ops=ops),
-    ]
-    for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1):
-        for layer in layers:
-            layer(torch.randn(rows, 5))
-    assert calls == [(1, True)] * 3 + [(GEMV_MAX_ROWS, True)] * 3
-    plain = ColumnParallelLinear.even(
-        5, [7], tp, ops=dataclasses.replace(ops, decode_gemv="cublas")
-    )
-    plain(torch.randn(1, 5))
-    assert len(calls) == 6
-
-
-def test_row_parallel_partial_sums_through_the_gemv_add_the_bias_on_rank_0_only():
-    gen = torch.Generator().manual_seed(2)
-    weight, bias, x = (torch.randn(s, generator=gen) for s in ((6, 10), (6,), (2, 10)))
-    calls: list[tuple[int, bool]] = []
-    total = torch.zeros(2, 6)
-    for tp in ranks(2):
-        layer = RowParallelLinear(
-            10, 6, tp, bias=True, reduce_results=False, ops=recording_gemv_ops(calls)
-        )
-        layer.weight.weight_loader(layer.weight, weight)
-        layer.bias.weight_loader(layer.bias, bias)
-        cols = layer.weight.columns.rows
-        total += layer(x[:, cols.start : cols.stop])
-    assert calls == [(2, True), (2, False)]
-    torch.testing.assert_close(total, F.linear(x, weight, bias))
 
 
 @pytest.mark.parametrize(

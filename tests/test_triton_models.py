@@ -66,27 +66,6 @@ def test_triton_backend_matches_torch_backend(checkpoint, variant):
     assert_same_greedy_outputs(ref, got)
 
 
-@pytest.mark.parametrize("variant", ["bamba", "llama_mqa_tied"])
-def test_decode_gemv_matches_f_linear(checkpoint, variant):
-    """decode_gemv="triton": the linears' decode-sized inputs (and the LM head's) run on the
-    Triton GEMV, with the same greedy tokens and logprobs as F.linear."""
-    prompts, max_tokens = CASES[variant]
-    path = checkpoint(variant)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
-    common = dict(
-        device=DEVICE,
-        dtype="float32",
-        enforce_eager=True,
-        cache_memory=2**28,
-        kernel_backend="triton",
-    )
-    ref = LLM(path, **common).generate(prompts, params)
-    with record_compile_keys() as keys:
-        got = LLM(path, decode_gemv="triton", **common).generate(prompts, params)
-    assert "_gemv_kernel" in keys, "the GEMV never ran"
-    assert_same_greedy_outputs(ref, got)
-
-
 @pytest.mark.parametrize("variant", ["bamba", "mamba2", "bamba_ngroups"])
 def test_fused_mamba2_decode_gives_the_tokens_of_the_unfused_kernels(
     checkpoint, variant, monkeypatch

@@ -262,8 +262,6 @@ def finish(opts: argparse.Namespace, op: str, title: str) -> None:
     for t in RESULTS["timings"]:
         ratio = t["ms"] / t["floor_ms"] if t["floor_ms"] else math.nan
         lines.append(f"| {t['name']} | {t['ms']:.4f} | {t['floor_ms']:.4f} | {ratio:.2f} |")
-    if RESULTS.get("summary_md"):  # a script's own table, already Markdown
-        lines += ["", *RESULTS["summary_md"]]
     if RESULTS["kernels"]:
         lines += ["", "| kernel (GPU time per call) | case | ms |", "| --- | --- | --- |"]
         lines += [f"| {k['kernel']} | {k['case']} | {k['ms']:.4f} |" for k in RESULTS["kernels"]]

@@ -48,7 +48,7 @@ class ModelRunner:
             if config.mamba_ssm_cache_dtype == "auto"
             else getattr(torch, config.mamba_ssm_cache_dtype)
         )
-        self.ops = get_ops(config.kernel_backend, device, config.decode_gemv)
+        self.ops = get_ops(config.kernel_backend, device)
         self.model = self._build_model(model_config)
         self.cache_specs = self.model.cache_specs()
         self.rounding_seeds = self._rounding_seeds()

@@ -34,7 +34,6 @@ _OPS: dict[str, tuple[str, str]] = {
     "paged_attention": ("paged_attention", "paged_attention"),
     "moe_route": ("moe", "moe_route"),
     "fused_moe": ("moe", "fused_moe"),
-    "gemv": ("gemv", "gemv"),
 }
 # What "hopper" runs instead of the Triton-language op: field -> (module, function).
 _HOPPER_OPS: dict[str, tuple[str, str]] = {
@@ -42,9 +41,6 @@ _HOPPER_OPS: dict[str, tuple[str, str]] = {
 }
 
 BACKENDS = ("auto", "triton", "hopper", "torch")
-# What the linear layers run decode-sized inputs on: F.linear (cuBLAS on CUDA) or the
-# Triton `gemv` kernel (ssmserve/layers/linear.py, GEMV_MAX_ROWS).
-DECODE_GEMV = ("cublas", "triton")
 
 
 @dataclass(frozen=True)
@@ -52,8 +48,6 @@ class KernelOps:
     """The kernel implementations a model runs with (see each op's docstring).
 
     `backend` is the resolved choice: "torch", "triton" or "hopper" (never "auto").
-    `decode_gemv` (one of DECODE_GEMV) is what the linear layers run inputs of a few rows
-    on: "cublas" = F.linear, "triton" = the `gemv` op.
     """
 
     backend: str
@@ -71,8 +65,6 @@ class KernelOps:
     paged_attention: Callable[..., torch.Tensor]
     moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_moe: Callable[..., torch.Tensor]
-    gemv: Callable[..., torch.Tensor]
-    decode_gemv: str = "cublas"
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
@@ -96,9 +88,8 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     return "hopper" if hopper_unavailable_reason(device) is None else "triton"
 
 
-def get_ops(backend: str, device: torch.device | str, decode_gemv: str = "cublas") -> KernelOps:
-    """Return the op set for `backend` (one of BACKENDS) on `device`; `decode_gemv` (one of
-    DECODE_GEMV) says whether the linear layers use its `gemv` op for decode-sized inputs.
+def get_ops(backend: str, device: torch.device | str) -> KernelOps:
+    """Return the op set for `backend` (one of BACKENDS) on `device`.
 
     - "torch": the PyTorch twins, on any device.
     - "triton": the portable Triton-language kernels for every op, on CUDA, or on CPU
@@ -110,8 +101,7 @@ def get_ops(backend: str, device: torch.device | str, decode_gemv: str = "cublas
     - "auto": see `resolve_backend`.
 
     A backend that cannot run on `device` raises, saying why: there is no silent
-    fallback to another backend. So does decode_gemv="triton" where the backend is
-    "torch" (the Triton GEMV would not run).
+    fallback to another backend.
     """
     # Imported here so `import ssmserve.kernels` imports neither torch nor Triton.
     import torch
@@ -120,14 +110,6 @@ def get_ops(backend: str, device: torch.device | str, decode_gemv: str = "cublas
 
     device = torch.device(device)
     resolved = resolve_backend(backend, device)
-    if decode_gemv not in DECODE_GEMV:
-        raise ValueError(f"decode_gemv must be one of {DECODE_GEMV}, got {decode_gemv!r}")
-    if decode_gemv == "triton" and resolved == "torch":
-        raise RuntimeError(
-            f"decode_gemv='triton' runs a Triton kernel, but kernel_backend {backend!r} "
-            f"resolves to the PyTorch twins on {device}; use --kernel-backend triton (CUDA, "
-            "or TRITON_INTERPRET=1 on CPU) or --decode-gemv cublas"
-        )
     if resolved in ("triton", "hopper"):
         reason = triton_unavailable_reason(device, resolved)
         if reason is not None:
@@ -146,7 +128,7 @@ def get_ops(backend: str, device: torch.device | str, decode_gemv: str = "cublas
         field: getattr(importlib.import_module(f"ssmserve.kernels.{module}"), name)
         for field, (module, name) in targets.items()
     }
-    return KernelOps(backend=resolved, decode_gemv=decode_gemv, **fns)
+    return KernelOps(backend=resolved, **fns)
 
 
-__all__ = ["BACKENDS", "DECODE_GEMV", "KernelOps", "get_ops", "resolve_backend"]
+__all__ = ["BACKENDS", "KernelOps", "get_ops", "resolve_backend"]

@@ -58,9 +58,7 @@ class Attention(nn.Module):
         """`out_features` is o_proj's output width (default `hidden_size`, the input's)."""
         super().__init__()
         self.head_dim = head_dim
-        self.qkv_proj = QKVParallelLinear(
-            hidden_size, head_dim, num_heads, num_kv_heads, tp, bias, ops
-        )
+        self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, tp, bias)
         self.num_heads = self.qkv_proj.num_local_heads
         self.num_kv_heads = self.qkv_proj.num_local_kv_heads
         self.o_proj = RowParallelLinear(
@@ -69,7 +67,6 @@ class Attention(nn.Module):
             tp,
             bias,
             columns=head_segment(self.qkv_proj.q_heads, head_dim, num_heads),
-            ops=ops,
         )
         self.scale = head_dim**-0.5 if scale is None else scale
         self.rotary = rotary

@@ -12,8 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ssmserve.distributed.parallel import TensorParallel
-from ssmserve.kernels import KernelOps
-from ssmserve.layers.linear import decode_gemv, linear
 
 
 def _load_vocab_rows(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None) -> None:
@@ -57,8 +55,7 @@ class ParallelLMHead(nn.Module):
     """Logits over the whole vocabulary: each rank computes its block, then all-gather.
 
     With tied embeddings pass the embedding: the head shares its (identically sharded)
-    weight parameter, so `named_parameters()` lists it once, under the embedding. `ops`:
-    see linear.decode_gemv.
+    weight parameter, so `named_parameters()` lists it once, under the embedding.
     """
 
     def __init__(
@@ -67,15 +64,13 @@ class ParallelLMHead(nn.Module):
         hidden_size: int,
         tp: TensorParallel,
         tied: VocabParallelEmbedding | None = None,
-        ops: KernelOps | None = None,
     ) -> None:
         super().__init__()
-        self.gemv = decode_gemv(ops)
         self.tp = tp
         self.vocab_size = vocab_size
         source = tied if tied is not None else VocabParallelEmbedding(vocab_size, hidden_size, tp)
         self.weight = source.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather(linear(hidden, self.weight, None, self.gemv))
+        logits = self.tp.all_gather(F.linear(hidden, self.weight))
         return logits if logits.shape[-1] == self.vocab_size else logits[:, : self.vocab_size]

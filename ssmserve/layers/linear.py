@@ -8,15 +8,11 @@ its own rule for which rows a rank holds (split evenly, by heads, by groups, or
 replicated). `shard_id` names one segment when the checkpoint stores it as its own
 tensor (q_proj, k_proj, ...); `shard_id=None` means the checkpoint tensor is the whole
 fused matrix. At tensor_parallel_size 1 every layer here is a plain F.linear.
-
-Built with `ops` whose `decode_gemv` is "triton", a layer runs inputs of 1 to
-GEMV_MAX_ROWS rows (decode at small batch) on `ops.gemv`, a kernel that reads the weight
-once at close to bandwidth, and F.linear otherwise (docs/kernels.md, "GEMV").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,32 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ssmserve.distributed.parallel import TensorParallel, require_divisible, shard_range
-from ssmserve.kernels import KernelOps
-
-# Rows of x up to which a layer built with decode_gemv="triton" runs `ops.gemv` (the
-# kernel takes up to 16). A first choice, to be set from bench_gemv.py on the GPU.
-GEMV_MAX_ROWS = 4
-
-Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-
-
-def decode_gemv(ops: KernelOps | None) -> Gemv | None:
-    """The kernel a linear built with `ops` runs decode-sized inputs on; None: F.linear.
-
-    Only a Triton backend ("triton", "hopper") can have decode_gemv "triton" (get_ops
-    refuses it with "torch"), so the kernel runs on CUDA, or on CPU in the interpreter.
-    """
-    return ops.gemv if ops is not None and ops.decode_gemv == "triton" else None
-
-
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: Gemv | None
-) -> torch.Tensor:
-    """x weight^T + bias: by `gemv` where it is given and x has 1 to GEMV_MAX_ROWS rows,
-    else F.linear."""
-    if gemv is not None and x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS:
-        return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
 
 
 @dataclass(frozen=True)
@@ -147,17 +117,10 @@ def row_sharded_parameter(
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with output features split over ranks by `segments`; no
-    communication (each rank keeps its part of y). `ops`: see decode_gemv."""
+    communication (each rank keeps its part of y)."""
 
-    def __init__(
-        self,
-        in_features: int,
-        segments: Sequence[Segment],
-        bias: bool = False,
-        ops: KernelOps | None = None,
-    ) -> None:
+    def __init__(self, in_features: int, segments: Sequence[Segment], bias: bool = False) -> None:
         super().__init__()
-        self.gemv = decode_gemv(ops)
         self.in_features = in_features
         self.segments = tuple(segments)
         self.output_sizes = [len(s.rows) for s in self.segments]
@@ -166,18 +129,13 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def even(
-        cls,
-        in_features: int,
-        sizes: Sequence[int],
-        tp: TensorParallel,
-        bias: bool = False,
-        ops: KernelOps | None = None,
+        cls, in_features: int, sizes: Sequence[int], tp: TensorParallel, bias: bool = False
     ) -> ColumnParallelLinear:
         """Each of `sizes` (stacked) split evenly over the ranks: a merged gate/up etc."""
-        return cls(in_features, [Segment.even(n, tp) for n in sizes], bias, ops)
+        return cls(in_features, [Segment.even(n, tp) for n in sizes], bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.gemv)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -185,8 +143,7 @@ class RowParallelLinear(nn.Module):
     products are summed over the ranks (all-reduce) and the bias is added once after.
 
     With `reduce_results=False` each rank returns its partial product (rank 0 adds the
-    bias), for a caller that adds other partial sums before one all-reduce. `ops`: see
-    decode_gemv.
+    bias), for a caller that adds other partial sums before one all-reduce.
     """
 
     def __init__(
@@ -197,10 +154,8 @@ class RowParallelLinear(nn.Module):
         bias: bool = False,
         columns: Segment | None = None,
         reduce_results: bool = True,
-        ops: KernelOps | None = None,
     ) -> None:
         super().__init__()
-        self.gemv = decode_gemv(ops)
         self.tp = tp
         self.reduce_results = reduce_results
         cols = columns or Segment.even(in_features, tp)
@@ -211,31 +166,23 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias, self.gemv)
+            return F.linear(x, self.weight, self.bias)
         if not self.reduce_results:
-            return linear(x, self.weight, self.bias if self.tp.rank == 0 else None, self.gemv)
-        y = self.tp.all_reduce(linear(x, self.weight, None, self.gemv))
+            return F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
 class ReplicatedLinear(nn.Module):
-    """A linear every rank holds whole (small projections such as MoE routers). `ops`:
-    see decode_gemv."""
+    """A linear every rank holds whole (small projections such as MoE routers)."""
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = False,
-        ops: KernelOps | None = None,
-    ) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.gemv = decode_gemv(ops)
         self.weight = replicated_parameter(out_features, in_features)
         self.bias = replicated_parameter(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.gemv)
+        return F.linear(x, self.weight, self.bias)
 
 
 def head_segment(heads: Iterable[int], head_dim: int, num_heads: int) -> Segment:
@@ -271,7 +218,6 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_kv_heads: int,
         tp: TensorParallel,
         bias: bool = False,
-        ops: KernelOps | None = None,
     ) -> None:
         q, kv = attention_heads(num_heads, num_kv_heads, tp)
         self.q_heads = q
@@ -281,7 +227,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             head_segment(kv, head_dim, num_kv_heads),
             head_segment(kv, head_dim, num_kv_heads),
         ]
-        super().__init__(hidden_size, segments, bias, ops)
+        super().__init__(hidden_size, segments, bias)
 
 
 # Folding constant scales into loaded weights (a family's `fold_constants`): computed in

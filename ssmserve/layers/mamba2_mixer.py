@@ -137,7 +137,7 @@ class Mamba2Mixer(nn.Module):
         groups = Segment.units(shard.groups, N, n_groups)
         per_head = Segment.units(shard.heads, 1, num_heads)
         self.in_proj = ColumnParallelLinear(
-            hidden_size, [inner, inner, groups, groups, per_head], use_bias, ops
+            hidden_size, [inner, inner, groups, groups, per_head], use_bias
         )
         self.conv1d = nn.Module()
         self.conv1d.weight = row_sharded_parameter([inner, groups, groups], 1, conv_kernel)
@@ -152,9 +152,7 @@ class Mamba2Mixer(nn.Module):
             self.norm.weight = row_sharded_parameter([inner], fill=1.0)
             self._plan_norm(num_heads * P, norm_group_size or num_heads * P, shard.heads.start * P)
         out_bias = use_bias if out_proj_bias is None else out_proj_bias
-        self.out_proj = RowParallelLinear(
-            num_heads * P, hidden_size, tp, out_bias, columns=inner, ops=ops
-        )
+        self.out_proj = RowParallelLinear(num_heads * P, hidden_size, tp, out_bias, columns=inner)
         scale = None
         if in_proj_multipliers is not None:
             if len(in_proj_multipliers) != 5:

@@ -80,20 +80,20 @@ class MambaMixer(nn.Module):
             # are moved to the model's device with the weights).
             self.register_buffer("_unit_dt", torch.ones(time_step_rank, device="cpu"), False)
             self.register_buffer("_unit_bc", torch.ones(state_size, device="cpu"), False)
-        self.in_proj = ColumnParallelLinear(hidden_size, [channels, channels], use_bias, ops)
+        self.in_proj = ColumnParallelLinear(hidden_size, [channels, channels], use_bias)
         self.conv1d = nn.Module()
         self.conv1d.weight = row_sharded_parameter([channels], 1, conv_kernel)
         self.conv1d.bias = row_sharded_parameter([channels]) if use_conv_bias else None
         self.x_proj = RowParallelLinear(
-            intermediate_size, time_step_rank + 2 * state_size, tp, columns=channels, ops=ops
+            intermediate_size, time_step_rank + 2 * state_size, tp, columns=channels
         )
-        self.dt_proj = ColumnParallelLinear(time_step_rank, [channels], bias=True, ops=ops)
+        self.dt_proj = ColumnParallelLinear(time_step_rank, [channels], bias=True)
         self.A_log = row_sharded_parameter([channels], state_size)
         self._A: torch.Tensor | None = None  # -exp(A_log), see _decay_rates
         self._dt_bias: torch.Tensor | None = None
         self.D = row_sharded_parameter([channels], fill=1.0)
         self.out_proj = RowParallelLinear(
-            intermediate_size, hidden_size, tp, use_bias, columns=channels, ops=ops
+            intermediate_size, hidden_size, tp, use_bias, columns=channels
         )
 
     def cache_spec(self) -> StateSpec:

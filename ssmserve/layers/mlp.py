@@ -31,7 +31,7 @@ class GatedMLP(nn.Module):
         self.fused_act = ops.act_and_mul if ops is not None and act in ACTIVATIONS else None
         self.act_name = act
         self.gate_up_proj = ColumnParallelLinear.even(
-            hidden_size, [intermediate_size, intermediate_size], tp, bias, ops
+            hidden_size, [intermediate_size, intermediate_size], tp, bias
         )
         self.down_proj = RowParallelLinear(
             intermediate_size,
@@ -40,7 +40,6 @@ class GatedMLP(nn.Module):
             bias,
             columns=Segment.even(intermediate_size, tp),
             reduce_results=reduce_results,
-            ops=ops,
         )
         self.act = ACT2FN[act]
 
@@ -57,8 +56,7 @@ class GatedMLP(nn.Module):
 
 
 class MLP(nn.Module):
-    """up -> act -> down (Nemotron-H's squared-ReLU MLP). `ops` reaches the linears only
-    (see linear.decode_gemv)."""
+    """up -> act -> down (Nemotron-H's squared-ReLU MLP)."""
 
     def __init__(
         self,
@@ -68,12 +66,11 @@ class MLP(nn.Module):
         act: str,
         bias: bool = False,
         reduce_results: bool = True,
-        ops: KernelOps | None = None,
     ) -> None:
         super().__init__()
-        self.up_proj = ColumnParallelLinear.even(hidden_size, [intermediate_size], tp, bias, ops)
+        self.up_proj = ColumnParallelLinear.even(hidden_size, [intermediate_size], tp, bias)
         self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, tp, bias, reduce_results=reduce_results, ops=ops
+            intermediate_size, hidden_size, tp, bias, reduce_results=reduce_results
         )
         self.act = ACT2FN[act]
 

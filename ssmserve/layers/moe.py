@@ -29,13 +29,7 @@ from torch import nn
 from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.kernels import KernelOps
 from ssmserve.kernels.moe import ACTIVATIONS, SCORING, moe_route_ref
-from ssmserve.layers.linear import (
-    ReplicatedLinear,
-    Segment,
-    linear,
-    load_replicated,
-    replicated_parameter,
-)
+from ssmserve.layers.linear import ReplicatedLinear, Segment, load_replicated, replicated_parameter
 from ssmserve.layers.mlp import MLP, GatedMLP
 
 
@@ -244,8 +238,8 @@ class FusedMoE(nn.Module):
         self.router = Router(num_experts, hidden_size, correction_bias)
         self.fc1_latent_proj = self.fc2_latent_proj = None
         if latent_size:
-            self.fc1_latent_proj = ReplicatedLinear(hidden_size, latent_size, latent_bias, ops)
-            self.fc2_latent_proj = ReplicatedLinear(latent_size, hidden_size, latent_bias, ops)
+            self.fc1_latent_proj = ReplicatedLinear(hidden_size, latent_size, latent_bias)
+            self.fc2_latent_proj = ReplicatedLinear(latent_size, hidden_size, latent_bias)
         expert_size = latent_size or hidden_size
         self.experts = FusedExperts(num_experts, expert_size, intermediate_size, tp, gated)
         self.shared_experts = None
@@ -281,7 +275,7 @@ class FusedMoE(nn.Module):
         if self.fc2_latent_proj is not None:
             # Linear, so it maps this rank's partial sum; the bias is added once (rank 0).
             proj = self.fc2_latent_proj
-            y = linear(y, proj.weight, proj.bias if self.tp.rank == 0 else None, proj.gemv)
+            y = F.linear(y, proj.weight, proj.bias if self.tp.rank == 0 else None)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return self.tp.all_reduce(y) if self.reduce_results else y

@@ -132,7 +132,7 @@ class CausalLM(nn.Module):
 
     def make_lm_head(self, vocab_size: int, hidden_size: int) -> ParallelLMHead:
         tied = self.input_embeddings() if self.tie_word_embeddings else None
-        return ParallelLMHead(vocab_size, hidden_size, self.ctx.tp, tied, self.ctx.ops)
+        return ParallelLMHead(vocab_size, hidden_size, self.ctx.tp, tied)
 
     @property
     def stage(self) -> PipelineStage:

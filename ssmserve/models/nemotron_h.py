@@ -67,12 +67,7 @@ def _attention(cfg, ctx: ModelContext) -> Attention:
 
 def _mlp(cfg, ctx: ModelContext) -> MLP:
     return MLP(
-        cfg.hidden_size,
-        cfg.intermediate_size,
-        ctx.tp,
-        cfg.mlp_hidden_act,
-        bias=cfg.mlp_bias,
-        ops=ctx.ops,
+        cfg.hidden_size, cfg.intermediate_size, ctx.tp, cfg.mlp_hidden_act, bias=cfg.mlp_bias
     )
 
 

@@ -222,7 +222,7 @@ class Zamba2HybridLayer(nn.Module):
         super().__init__()
         self.use = use
         self.shared_transformer = block
-        self.linear = ReplicatedLinear(cfg.hidden_size, cfg.hidden_size, ops=ctx.ops)
+        self.linear = ReplicatedLinear(cfg.hidden_size, cfg.hidden_size)
         self.mamba_decoder = Zamba2MambaLayer(cfg, ctx)
 
     def cache_spec(self) -> LayerCacheSpec:

@@ -61,8 +61,6 @@ BOUNDS = {
     "_moe_down_kernel": 3,
     # the expert alignment's block_m, one per launch-table row
     "_align_kernel": 3,
-    # split K or not, bias or not: features of the layer (model constants), not the batch
-    "_gemv_kernel": 4,
 }
 
 
@@ -87,7 +85,6 @@ def test_model_steps_of_any_batch_reuse_compiled_kernels(tmp_path, monkeypatch):
     llm = LLM(
         path,
         kernel_backend="triton",
-        decode_gemv="triton",
         device=str(DEVICE),
         dtype="float32",
         enforce_eager=True,
@@ -108,7 +105,7 @@ def test_model_steps_of_any_batch_reuse_compiled_kernels(tmp_path, monkeypatch):
     assert {1, 9} <= sizes and len(shapes) >= 10, sorted(shapes)
     assert any(0 < nd < num_seqs for nd, num_seqs, _ in shapes), "no mixed step"
     names = ("_ssd_chunk_cumsum_kernel", "_conv1d_varlen_kernel", "_state_update_kernel")
-    for name in (*names, "_gemv_kernel", "_mamba2_decode_kernel"):  # one-sequence decodes fuse
+    for name in (*names, "_mamba2_decode_kernel"):  # one-sequence decodes fuse
         assert name in keys
     assert_within_bounds(keys)
 

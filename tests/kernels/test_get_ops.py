@@ -12,7 +12,7 @@ from ssmserve.kernels.ssd_scan import scan_launch_config, ssd_scan_varlen_ref
 from ssmserve.kernels.ssd_scan_hopper import hopper_scan_usable, ssd_scan_varlen_hopper
 from ssmserve.kernels.state_update import update_launch_config
 
-OP_FIELDS = [f for f in KernelOps.__dataclass_fields__ if f not in ("backend", "decode_gemv")]
+OP_FIELDS = [f for f in KernelOps.__dataclass_fields__ if f != "backend"]
 
 
 def test_backends_are_the_documented_four():
@@ -151,15 +151,3 @@ def test_launch_parameters_override_defaults_and_are_validated():
     with pytest.raises(ValueError, match="query heads per KV head"):
         decode_launch_config(4, 8, 32, 128, 4096, torch.device("cpu"), {"block_m": 16})
     assert prefill_launch_config(4, 128, {"block_m": 64})["block_q"] == 16
-
-
-def test_decode_gemv_is_validated_and_needs_a_triton_backend(monkeypatch):
-    assert get_ops("torch", "cpu").decode_gemv == "cublas"
-    with pytest.raises(ValueError, match="decode_gemv must be one of"):
-        get_ops("torch", "cpu", decode_gemv="cutlass")
-    with pytest.raises(RuntimeError, match="--kernel-backend triton"):
-        get_ops("auto", "cpu", decode_gemv="triton")
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    ops = get_ops("triton", "cpu", decode_gemv="triton")
-    assert ops.decode_gemv == "triton" and ops.gemv.__name__ == "gemv_triton"
