@@ -4,8 +4,9 @@ its floor?
     PYTHONPATH=$PWD python benchmarks/kernels/bench_state_update.py          # GPU
     PYTHONPATH=$PWD python benchmarks/kernels/bench_state_update.py --tiny   # CPU smoke run
 
-Bamba-9B (128 heads of 64, d_state 128) and Mamba2-2.7B (80 heads) mixer dims, bf16
-inputs, float32 state pool. Sections:
+Bamba-9B (128 heads of 64, d_state 128) and Mamba2-2.7B (80 heads) mixer dims, and Mamba1's
+layout (one channel per "head", head dim 1: Jamba-Mini-1.7's 8192 channels and Mamba-2.8B's
+5120, d_state 16), bf16 inputs, float32 state pool. Sections:
 - accuracy: Triton against the twin at batch 256 with padding rows (slot -1).
 - sizes: batch 1 / 64 / 256, eager and as 20 calls under one CUDA-graph replay (how the
   engine decodes: no launch overhead). Successive calls rotate over slot sets, so small
@@ -45,22 +46,40 @@ from ssmserve.kernels.state_update import (
 SECTIONS = ("accuracy", "sizes", "sweep")
 OPTS = parse_args(__doc__, SECTIONS)
 # (name, heads, head_dim, d_state, n_groups)
-MODELS = [("bamba-9b", 128, 64, 128, 1), ("mamba2-2.7b", 80, 64, 128, 1)]
+MODELS = [
+    ("bamba-9b", 128, 64, 128, 1),
+    ("mamba2-2.7b", 80, 64, 128, 1),
+    ("jamba-mini-1.7", 8192, 1, 16, 1),
+    ("mamba-2.8b", 5120, 1, 16, 1),
+]
 BATCHES, CHECK_BATCH = (1, 64, 256), 256
 SWEEP = [{"block_p": 8}, {"block_p": 32}, {"block_p": 64, "num_warps": 8}, {"num_warps": 2}]
 GRAPH_CALLS = 20
 if OPTS.tiny:
-    MODELS = [("tiny", 4, 16, 16, 1), ("tiny-groups", 4, 8, 8, 2)]
+    MODELS = [("tiny", 4, 16, 16, 1), ("tiny-groups", 4, 8, 8, 2), ("tiny-mamba1", 24, 1, 5, 1)]
     BATCHES, CHECK_BATCH, GRAPH_CALLS = (1, 4), 8, 2
 
 
 def make_inputs(Bt: int, H: int, P: int, N: int, G: int, num_slots: int) -> dict[str, Any]:
-    """Mamba2's layout: dt, A, D and dt_bias per head, expanded with stride 0."""
+    """Mamba2's layout: dt, A, D and dt_bias per head, expanded with stride 0; with P = 1
+    Mamba1's: dt, A, D and dt_bias per channel."""
     gen = torch.Generator(device=DEV).manual_seed(Bt)
 
     def rand(*shape: int, dtype=torch.bfloat16, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen, device=DEV) * scale).to(dtype)
 
+    if P == 1:
+        return dict(
+            ssm_state=rand(num_slots, H, 1, N, dtype=torch.float32, scale=0.1),
+            x=rand(Bt, H, 1),
+            dt=rand(Bt, H, 1),
+            A=-torch.exp(rand(H, 1, N, dtype=torch.float32)),
+            B=rand(Bt, G, N),
+            C=rand(Bt, G, N),
+            D=rand(H, 1, dtype=torch.float32),
+            z=rand(Bt, H, 1),
+            dt_bias=rand(H, 1, dtype=torch.float32),
+        )
     return dict(
         ssm_state=rand(num_slots, H, P, N, dtype=torch.float32, scale=0.1),
         x=rand(Bt, H, P),

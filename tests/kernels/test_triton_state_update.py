@@ -7,6 +7,7 @@ import torch
 from kernel_testing import assert_close, randn, seeded
 from triton_testing import DEVICE, requires_triton
 
+from ssmserve.kernels import state_update
 from ssmserve.kernels.state_update import (
     selective_state_update_ref,
     selective_state_update_triton,
@@ -78,3 +79,59 @@ def test_mamba1_layout_untied_matches_twin():
         dt_bias=randn(Dm, 1, gen=gen).to(DEVICE),
     )
     compare(pool.view(4, Dm, 1, N), args, [3, -1, 1])
+
+
+def mamba1_args(Bt, Dm, G, N, seed, dtype=torch.float32):
+    """Mamba1's layout as the mixer passes it: per-channel dt, A, D, dt_bias (P = 1), x and
+    z as row slices of one wider projection output (not contiguous over the batch)."""
+    gen = seeded(seed)
+    proj = randn(Bt, 3 * Dm, gen=gen, dtype=dtype).to(DEVICE)
+    return dict(
+        x=proj[:, :Dm].view(Bt, Dm, 1),
+        dt=randn(Bt, Dm, 1, gen=gen, dtype=dtype).to(DEVICE),
+        A=(-torch.exp(randn(Dm, 1, N, gen=gen))).to(DEVICE),
+        B=randn(Bt, G, N, gen=gen, dtype=dtype).to(DEVICE),
+        C=randn(Bt, G, N, gen=gen, dtype=dtype).to(DEVICE),
+        D=randn(Dm, 1, gen=gen).to(DEVICE),
+        z=proj[:, Dm : 2 * Dm].view(Bt, Dm, 1),
+        dt_bias=randn(Dm, 1, gen=gen).to(DEVICE),
+    )
+
+
+@pytest.mark.parametrize("Dm,G", [(24, 1), (24, 2), (40, 1)])
+def test_mamba1_channels_regrouped_into_heads_match_twin(monkeypatch, Dm, G):
+    """Many channels a program (the launch at real sizes): same y and states as the twin,
+    including non-contiguous x and z, padding rows, and groups (channels never straddle
+    one)."""
+    monkeypatch.setattr(state_update, "_MIN_PROGRAMS", 1)
+    assert state_update._channels_per_head(3, Dm, G, 5) == (8 if Dm // G % 8 == 0 else 4)
+    pool = randn(5, Dm, 1, 5, gen=seeded(2)).to(DEVICE)
+    compare(pool, mamba1_args(3, Dm, G, 5, seed=3), [4, -1, 1], dt_limit=(0.01, 2.0))
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])
+def test_mamba1_regrouped_stochastic_rounding_draws_the_twins_bits(monkeypatch, state_dtype):
+    """Regrouping keeps each element's flat index, so the noise is the twin's: bit-equal."""
+    monkeypatch.setattr(state_update, "_MIN_PROGRAMS", 1)
+    Dm, N = 32, 4
+    pool = randn(4, Dm, 1, N, gen=seeded(4), scale=0.5).to(state_dtype).to(DEVICE)
+    args = mamba1_args(2, Dm, 1, N, seed=5)
+    offsets = torch.tensor([11, 12345], device=DEVICE)
+    slots = torch.tensor([2, 0], device=DEVICE)
+    pool_ref = pool.clone()
+    kw = dict(state_slots=slots, rounding_offsets=offsets, rounding_seed=99)
+    y_ref = selective_state_update_ref(pool_ref, **args, **kw)
+    y = selective_state_update_triton(pool, **args, **kw)
+    assert torch.equal(pool, pool_ref)
+    assert_close(y, y_ref, msg="y")
+
+
+def test_mamba1_programs_cover_many_channels_at_real_sizes():
+    """Jamba-Mini's 8192 channels at batch 256: 128 a program (2k state elements), not one
+    (one program per channel ran 40x off the copy rate on the H200); batch 1 keeps enough
+    programs to spread over the SMs."""
+    assert state_update._channels_per_head(256, 8192, 1, 16) == 128
+    assert state_update._channels_per_head(256, 5120, 1, 16) == 128
+    per = state_update._channels_per_head(1, 5120, 1, 16)
+    assert 5120 // per >= state_update._MIN_PROGRAMS and per > 1
+    assert state_update._channels_per_head(256, 9, 1, 5) == 1
