@@ -354,6 +354,7 @@ def test_a_frozen_engine_dies_by_reference_counting_and_shutdown_thaws(checkpoin
     parts += [t for t in (engine.state_pool, engine.block_pool) if t is not None]
     parts += list(runner.model.parameters())[:2]
     parts += [t for c in runner.caches for p in (c.kv, c.state) if p for t in p if t is not None]
+    parts += [stack for _, stack in runner.cache_stacks]
     refs = [weakref.ref(p) for p in parts]
     del parts, runner
     gc.disable()

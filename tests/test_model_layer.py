@@ -166,3 +166,81 @@ def test_attention_over_gathered_context_equals_a_naive_loop(heads, kv_heads, mo
             scores = keys[:seen, h // groups] @ q[i, h].double() * 0.3
             expected = scores.softmax(0) @ values[:seen, h // groups]
             assert torch.allclose(out[i, h].double(), expected, atol=1e-5), (i, h)
+
+
+def test_cache_copies_move_rows_of_every_layer_through_the_stacks():
+    """Caches of one kind and shape are views into one stack, each contiguous and apart,
+    and a step's copies (saves, restores, KV blocks) move the same rows in every layer as
+    a per-layer loop of row copies does."""
+    from ssmserve.layers.batch import CacheCopies
+    from ssmserve.layers.cache import (
+        KVCacheSpec,
+        LayerCacheSpec,
+        StateSpec,
+        allocate_caches,
+        apply_cache_copies,
+    )
+
+    ssm_a, ssm_b = StateSpec((6, 3), (2, 4, 5)), StateSpec((10, 3), (3, 4, 5))
+    kv = KVCacheSpec(num_kv_heads=2, head_dim=4)
+    specs = [
+        LayerCacheSpec(state=ssm_a),
+        LayerCacheSpec(kv=kv),
+        LayerCacheSpec(state=ssm_b),
+        LayerCacheSpec(kv=kv, state=ssm_a),
+        LayerCacheSpec(state=ssm_a),
+    ]
+    caches, stacks = allocate_caches(
+        specs,
+        num_kv_blocks=7,
+        block_size=4,
+        num_state_slots=9,
+        dtype=torch.float32,
+        state_dtype=torch.float64,
+        device=torch.device("cpu"),
+    )
+    tensors = [t for c in caches for part in (c.kv, c.state) if part for t in part[:2]]
+    assert all(t.is_contiguous() for t in tensors)
+    assert len({t.data_ptr() for t in tensors}) == len(tensors)
+    assert caches[0].state.ssm.shape == (9, 2, 4, 5) and caches[0].state.ssm.dtype == torch.float64
+    assert caches[2].state.conv.shape == (9, 10, 3) and caches[1].kv.k.shape == (7, 4, 2, 4)
+    # Two conv shapes, two SSM state shapes and one KV shape: 5 stacks for 12 tensors.
+    assert len(stacks) == 5
+    gen = torch.Generator().manual_seed(0)
+    for t in tensors:
+        t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype))
+    expected = [t.clone() for t in tensors]
+    idx = lambda *v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    copies = CacheCopies(
+        save_slots=idx(0, 2),
+        save_rows=idx(7, 8),
+        restore_rows=idx(8, 5),
+        restore_slots=idx(1, 3),
+        block_sources=idx(2, 6),
+        block_destinations=idx(0, 1),
+    )
+    for t in expected:
+        kind = "kv" if t.shape[0] == 7 else "state"
+        moves = [("state", copies.save_slots, copies.save_rows)]
+        moves += [("state", copies.restore_rows, copies.restore_slots)]
+        moves += [("kv", copies.block_sources, copies.block_destinations)]
+        for move_kind, src, dst in moves:
+            if move_kind == kind:
+                for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+                    t[d] = t[s].clone()
+    apply_cache_copies(stacks, copies)
+    for got, want in zip(tensors, expected, strict=True):
+        assert torch.equal(got, want)
+    # Each view starts 256 bytes apart or a multiple, as allocations of their own would.
+    odd = allocate_caches(
+        [LayerCacheSpec(state=StateSpec((5, 3), (1, 1, 3)))] * 3,
+        num_kv_blocks=0,
+        block_size=4,
+        num_state_slots=3,
+        dtype=torch.bfloat16,
+        state_dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    for _, stack in odd.stacks:
+        offsets = [view.data_ptr() - stack.data_ptr() for view in stack.unbind(0)]
+        assert offsets[1] > 0 and all(offset % 256 == 0 for offset in offsets)

@@ -53,6 +53,7 @@ class ModelRunner:
         self.cache_specs = self.model.cache_specs()
         self.rounding_seeds = self._rounding_seeds()
         self.caches: list[LayerCache] = []
+        self.cache_stacks: list[tuple[str, torch.Tensor]] = []
         self.graphs = None  # DecodeGraphs, when CUDA graphs are on
 
     def _build_model(self, model_config: ModelConfig):
@@ -125,7 +126,7 @@ class ModelRunner:
         ]
 
     def allocate_caches(self, num_kv_blocks: int, num_state_slots: int) -> None:
-        self.caches = allocate_caches(
+        self.caches, self.cache_stacks = allocate_caches(
             self.cache_specs,
             num_kv_blocks=num_kv_blocks,
             block_size=self.block_size,
@@ -137,7 +138,7 @@ class ModelRunner:
         )
 
     def release_caches(self) -> None:
-        self.caches = []
+        self.caches, self.cache_stacks = [], []
 
     def setup(self, plan: CachePlan, max_num_batched_tokens: int) -> None:
         """Allocate the planned caches, then capture decode graphs where they apply."""
@@ -187,7 +188,7 @@ class ModelRunner:
             index, rows = batch.fills
             batch.input_ids.index_copy_(0, index, tokens.index_select(0, rows))
         if batch.cache_copies is not None:
-            apply_cache_copies(self.caches, batch.cache_copies)
+            apply_cache_copies(self.cache_stacks, batch.cache_copies)
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         out = self.model(batch, self.caches, received)

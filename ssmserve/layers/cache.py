@@ -9,7 +9,9 @@ block) gets one cache per use.
 
 State tensors have a row per state slot and, after them, a row per prefix-caching
 checkpoint: saving and restoring a state is a row copy within each tensor
-(`apply_cache_copies`), on every rank for its own shard.
+(`apply_cache_copies`), on every rank for its own shard. The tensors of one kind and
+shape are views into one stack, [positions, rows, ...] (each position's view contiguous,
+as if allocated alone), so a step's copies are two kernels per stack, not per layer.
 
 How decode steps round the new SSM state into a 16-bit pool belongs to the pool too:
 `SSMState.rounding_seed` is None (to nearest) or the key of the position's stochastic
@@ -78,6 +80,14 @@ class LayerCache:
     state: SSMState | None = None
 
 
+class Caches(NamedTuple):
+    """What `allocate_caches` makes: a cache per position, and the stacks their tensors
+    are views into, by kind ("state": conv and SSM states; "kv": K and V blocks)."""
+
+    layers: list[LayerCache]
+    stacks: list[tuple[str, torch.Tensor]]
+
+
 def cache_bytes(
     specs: list[LayerCacheSpec], block_size: int, dtype: torch.dtype, state_dtype: torch.dtype
 ) -> tuple[int, int]:
@@ -86,6 +96,19 @@ def cache_bytes(
     per_block = sum(s.kv.bytes_per_block(block_size, dtype) for s in specs if s.kv)
     per_slot = sum(s.state.bytes_per_slot(dtype, state_dtype) for s in specs if s.state)
     return per_block, per_slot
+
+
+# Each position's view starts at a multiple of this many bytes, as its own allocation
+# would (kernels that assume aligned pointers keep working).
+_VIEW_ALIGN = 256
+
+
+def _stack(n: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros [n, *shape] whose n views [i] are contiguous and _VIEW_ALIGN-aligned."""
+    per = _VIEW_ALIGN // _elem(dtype)
+    pitch = -(-prod(shape) // per) * per
+    flat = torch.zeros(n * pitch, dtype=dtype, device=device)
+    return flat.as_strided((n, *shape), (pitch, *torch.empty(shape, device="meta").stride()))
 
 
 def allocate_caches(
@@ -98,33 +121,41 @@ def allocate_caches(
     state_dtype: torch.dtype,
     device: torch.device,
     rounding_seeds: list[int | None] | None = None,
-) -> list[LayerCache]:
+) -> Caches:
     """One cache per position of `specs`; `rounding_seeds` (one per position, None
     entries or None in all: round to nearest) is each SSM position's `rounding_seed`."""
-    caches = []
+    # Per stack: its kind, (rows, *shape, dtype) and the tensors' places (position, field).
+    groups: dict[tuple[str, tuple[int, ...], torch.dtype], list[tuple[int, str]]] = {}
+    for i, spec in enumerate(specs):
+        if spec.kv is not None:
+            shape = (num_kv_blocks, block_size, spec.kv.num_kv_heads, spec.kv.head_dim)
+            groups.setdefault(("kv", shape, dtype), []).extend([(i, "k"), (i, "v")])
+        if spec.state is not None:
+            conv = (num_state_slots, *spec.state.conv_shape)
+            ssm = (num_state_slots, *spec.state.ssm_shape)
+            groups.setdefault(("state", conv, dtype), []).append((i, "conv"))
+            groups.setdefault(("state", ssm, state_dtype), []).append((i, "ssm"))
+    views: dict[tuple[int, str], torch.Tensor] = {}
+    stacks = []
+    for (kind, shape, dt), places in groups.items():
+        stack = _stack(len(places), shape, dt, device)
+        stacks.append((kind, stack))
+        views.update(zip(places, stack.unbind(0), strict=True))
+    layers = []
     for i, spec in enumerate(specs):
         cache = LayerCache()
         if spec.kv is not None:
-            shape = (num_kv_blocks, block_size, spec.kv.num_kv_heads, spec.kv.head_dim)
-            cache.kv = KVCache(
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
+            cache.kv = KVCache(views[i, "k"], views[i, "v"])
         if spec.state is not None:
-            cache.state = SSMState(
-                torch.zeros(num_state_slots, *spec.state.conv_shape, dtype=dtype, device=device),
-                torch.zeros(
-                    num_state_slots, *spec.state.ssm_shape, dtype=state_dtype, device=device
-                ),
-                rounding_seeds[i] if rounding_seeds is not None else None,
-            )
-        caches.append(cache)
-    return caches
+            seed = rounding_seeds[i] if rounding_seeds is not None else None
+            cache.state = SSMState(views[i, "conv"], views[i, "ssm"], seed)
+        layers.append(cache)
+    return Caches(layers, stacks)
 
 
-def apply_cache_copies(caches: list[LayerCache], copies: CacheCopies) -> None:
-    """Make a step's cache copies in every layer: state saves, then state restores (a
-    step may restore what it saves), then KV block copies."""
+def apply_cache_copies(stacks: list[tuple[str, torch.Tensor]], copies: CacheCopies) -> None:
+    """Make a step's cache copies in every layer (`stacks` from `allocate_caches`): state
+    saves, then state restores (a step may restore what it saves), then KV block copies."""
     moves = (
         (copies.save_slots, copies.save_rows, "state"),
         (copies.restore_rows, copies.restore_slots, "state"),
@@ -133,13 +164,9 @@ def apply_cache_copies(caches: list[LayerCache], copies: CacheCopies) -> None:
     for sources, destinations, kind in moves:
         if sources.numel() == 0:
             continue
-        for cache in caches:
-            if kind == "state":
-                tensors = (cache.state.conv, cache.state.ssm) if cache.state else ()
-            else:
-                tensors = cache.kv or ()
-            for t in tensors:
-                t.index_copy_(0, destinations, t.index_select(0, sources))
+        for stack_kind, stack in stacks:
+            if stack_kind == kind:
+                stack.index_copy_(1, destinations, stack.index_select(1, sources))
 
 
 class ConvSnapshotSources(NamedTuple):
