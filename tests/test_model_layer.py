@@ -190,15 +190,19 @@ def test_cache_copies_move_rows_of_every_layer_through_the_stacks():
         LayerCacheSpec(kv=kv, state=ssm_a),
         LayerCacheSpec(state=ssm_a),
     ]
-    caches, stacks = allocate_caches(
-        specs,
-        num_kv_blocks=7,
-        block_size=4,
-        num_state_slots=9,
-        dtype=torch.float32,
-        state_dtype=torch.float64,
-        device=torch.device("cpu"),
-    )
+
+    def allocate(specs, num_kv_blocks, num_state_slots, dtype, state_dtype):
+        return allocate_caches(
+            specs,
+            num_kv_blocks=num_kv_blocks,
+            block_size=4,
+            num_state_slots=num_state_slots,
+            dtype=dtype,
+            state_dtype=state_dtype,
+            device=torch.device("cpu"),
+        )
+
+    caches, stacks = allocate(specs, 7, 9, torch.float32, torch.float64)
     tensors = [t for c in caches for part in (c.kv, c.state) if part for t in part[:2]]
     assert all(t.is_contiguous() for t in tensors)
     assert len({t.data_ptr() for t in tensors}) == len(tensors)
@@ -232,15 +236,8 @@ def test_cache_copies_move_rows_of_every_layer_through_the_stacks():
     for got, want in zip(tensors, expected, strict=True):
         assert torch.equal(got, want)
     # Each view starts 256 bytes apart or a multiple, as allocations of their own would.
-    odd = allocate_caches(
-        [LayerCacheSpec(state=StateSpec((5, 3), (1, 1, 3)))] * 3,
-        num_kv_blocks=0,
-        block_size=4,
-        num_state_slots=3,
-        dtype=torch.bfloat16,
-        state_dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
+    odd_specs = [LayerCacheSpec(state=StateSpec((5, 3), (1, 1, 3)))] * 3
+    odd = allocate(odd_specs, 0, 3, torch.bfloat16, torch.float32)
     for _, stack in odd.stacks:
         offsets = [view.data_ptr() - stack.data_ptr() for view in stack.unbind(0)]
         assert offsets[1] > 0 and all(offset % 256 == 0 for offset in offsets)
