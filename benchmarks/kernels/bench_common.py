@@ -14,7 +14,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,6 +22,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from ssmserve.bench.cli import COMMIT_ENV
+from ssmserve.bench.common import git_commit
 
 # Ceilings measured on the H200 (bench_ceilings.py; benchmarks/results/README.md): device
 # copy (bytes read + written) and bf16 matrix product. Floors are max(bytes / COPY,
@@ -55,7 +57,9 @@ def parse_args(doc: str, sections: Sequence[str], extra: Callable | None = None)
         help="JSON results path (default: benchmarks/results/<op>_<date>_<gpu>.json; "
         "with --tiny a temporary folder); the Markdown goes beside it",
     )
-    parser.add_argument("--commit", default=None, help="commit measured (default: git HEAD)")
+    parser.add_argument(
+        "--commit", default=None, help="commit measured (default: $SSMSERVE_COMMIT, else git HEAD)"
+    )
     if extra is not None:
         extra(parser)
     opts = parser.parse_args()
@@ -199,15 +203,9 @@ def profile_ms(fn: Callable[[], Any], case: str, reps: int = 5) -> None:
 
 
 def _commit(opts: argparse.Namespace) -> str:
-    if opts.commit:
-        return opts.commit
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
+    """--commit, else $SSMSERVE_COMMIT (a copy of the tree whose .git is stale or absent,
+    as on the device), else git HEAD."""
+    return opts.commit or git_commit(os.environ.get(COMMIT_ENV))
 
 
 def environment(opts: argparse.Namespace, **extra: Any) -> dict[str, Any]:
