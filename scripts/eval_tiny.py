@@ -5,7 +5,10 @@ token), perplexity and bits per byte, computed twice: by Hugging Face
 transformers (float32) and by ssmserve through its offline API
 (``prompt_logprobs``); the two must agree to 1e-6 relative. With ``--chat`` it
 also reports the fraction of held-out chat prompts whose greedy reply through
-``LLM.chat`` ends with EOS within ``--chat-max-tokens`` tokens.
+``LLM.chat`` ends with EOS within ``--chat-max-tokens`` tokens, sampled with the model
+folder's own generation_config.json defaults (what ``ssmserve serve`` gives a request
+that leaves them unset; the JSON names the repetition penalty), and with
+``--repetition-penalty`` also at each penalty given.
 
 Each held-out document is tokenized as ``<|endoftext|>`` + its text and scored in
 non-overlapping windows of ``--window`` tokens (each window sees only its own
@@ -17,11 +20,14 @@ Usage:
     python scripts/eval_tiny.py path/to/model ...     # any folders
     python scripts/eval_tiny.py --docs .data/tiny/heldout.json \
         --docs .data/tiny/heldout_third_party.json --chat .data/tiny/chat_heldout.json
+    python scripts/eval_tiny.py ssmserve/model_data/ssmserve-bamba-tiny --chat-only \
+        --chat .data/tiny/chat_heldout.json --repetition-penalty 1.0 1.1 1.2
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -137,19 +143,30 @@ def score_ssmserve(llm, windows: list[list[int]], num_bytes: int) -> Figures:
     return _figures(total_nll, num_tokens, num_bytes, time.perf_counter() - start_time)
 
 
-def chat_stop_rate(llm, records: list[dict], max_tokens: int) -> dict:
-    """Greedy ``LLM.chat`` replies to held-out prompts: the fraction that end with EOS."""
-    from ssmserve import SamplingParams
+def chat_stop_rate(
+    llm, records: list[dict], max_tokens: int, repetition_penalty: float | None = None
+) -> dict:
+    """Greedy ``LLM.chat`` replies to held-out prompts: the fraction that end with EOS.
 
+    Sampling starts from the model's defaults (``LLM.get_default_sampling_params``, its
+    generation_config.json), made greedy and capped at max_tokens; a repetition_penalty
+    given replaces the model's.
+    """
     start_time = time.perf_counter()
+    params = dataclasses.replace(
+        llm.get_default_sampling_params(), temperature=0.0, max_tokens=max_tokens
+    )
+    if repetition_penalty is not None:
+        params = dataclasses.replace(params, repetition_penalty=repetition_penalty)
     conversations = [r["messages"] for r in records]
-    outputs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=max_tokens))
+    outputs = llm.chat(conversations, params)
     completions = [o.outputs[0] for o in outputs]
     stopped = [c.finish_reason == "stop" for c in completions]
     lengths = [len(c.token_ids) for c in completions]
     return {
         "num_prompts": len(records),
         "max_tokens": max_tokens,
+        "repetition_penalty": params.repetition_penalty,
         "stop_fraction": sum(stopped) / max(1, len(records)),
         "mean_reply_tokens": sum(lengths) / max(1, len(lengths)),
         "seconds": time.perf_counter() - start_time,
@@ -167,20 +184,23 @@ def evaluate_folder(
     with_ssmserve: bool,
     chat_records: list[dict] | None = None,
     chat_max_tokens: int = 256,
+    chat_repetition_penalties: tuple[float, ...] = (),
 ) -> dict:
-    """Figures of one model folder on each held-out set (and the chat stop rate)."""
+    """Figures of one model folder on each held-out set (and the chat stop rate, with the
+    model's defaults and at each of chat_repetition_penalties)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     windows = {name: make_windows(tokenizer, docs, window) for name, docs in doc_sets.items()}
     result: dict = {"model": model_path.name, "window": window, "sets": {}}
-    for name, (set_windows, num_bytes) in windows.items():
-        # NOTE: one window at a time is 1.6x faster on a CPU than 8: transformers' reference
-        # scan builds (batch, chunks, chunk, chunk, heads, state) temporaries.
-        figures = score_transformers(model, set_windows, num_bytes, batch_size=1)
-        result["sets"][name] = {"transformers": asdict(figures)}
-    del model
+    if windows:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        for name, (set_windows, num_bytes) in windows.items():
+            # NOTE: one window at a time is 1.6x faster on a CPU than 8: transformers'
+            # reference scan builds (batch, chunks, chunk, chunk, heads, state) temporaries.
+            figures = score_transformers(model, set_windows, num_bytes, batch_size=1)
+            result["sets"][name] = {"transformers": asdict(figures)}
+        del model
     if with_ssmserve:
         from ssmserve import LLM
 
@@ -193,6 +213,11 @@ def evaluate_folder(
             entry["rel_loss_difference"] = abs(figures.loss - reference) / reference
         if chat_records is not None:
             result["chat"] = chat_stop_rate(llm, chat_records, chat_max_tokens)
+            if chat_repetition_penalties:
+                result["chat_by_repetition_penalty"] = [
+                    chat_stop_rate(llm, chat_records, chat_max_tokens, penalty)
+                    for penalty in chat_repetition_penalties
+                ]
     return result
 
 
@@ -236,14 +261,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--chat-prompts", type=int, default=64)
     parser.add_argument("--chat-max-tokens", type=int, default=256)
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        nargs="+",
+        default=(),
+        help="also measure the chat stop rate at each of these repetition penalties (the "
+        "first measurement always uses the model's generation_config.json)",
+    )
+    parser.add_argument(
+        "--chat-only", action="store_true", help="only the chat stop rate (needs --chat)"
+    )
     parser.add_argument("--skip-ssmserve", action="store_true", help="transformers figures only")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.chat_only and args.chat is None:
+        parser.error("--chat-only needs --chat chat_heldout.json")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(0)
 
     models = args.models or [REPO_ROOT / "ssmserve" / "model_data" / n for n in BUNDLED_MODELS]
-    if args.docs is None:
+    if args.chat_only:
+        doc_sets = {}
+    elif args.docs is None:
         doc_sets = {"heldout": load_heldout_documents()}
     else:
         doc_sets = {path.stem: load_heldout_documents(path) for path in args.docs}
@@ -269,15 +309,18 @@ def main(argv: list[str] | None = None) -> int:
                 with_ssmserve=not args.skip_ssmserve,
                 chat_records=chat_records,
                 chat_max_tokens=args.chat_max_tokens,
+                chat_repetition_penalties=tuple(args.repetition_penalty),
             )
         )
-    print(format_table(results))
+    if not args.chat_only:
+        print(format_table(results))
     for result in results:
-        if "chat" in result:
-            chat = result["chat"]
+        chats = [result["chat"]] if "chat" in result else []
+        for chat in chats + result.get("chat_by_repetition_penalty", []):
             print(
-                f"{result['model']}: {chat['stop_fraction']:.0%} of {chat['num_prompts']} "
-                f"held-out chat prompts end with EOS within {chat['max_tokens']} tokens "
+                f"{result['model']}, repetition penalty {chat['repetition_penalty']}: "
+                f"{chat['stop_fraction']:.0%} of {chat['num_prompts']} held-out chat prompts "
+                f"end with EOS within {chat['max_tokens']} tokens "
                 f"(mean reply {chat['mean_reply_tokens']:.0f} tokens)"
             )
     if args.json_out is not None:
