@@ -101,6 +101,8 @@ def test_expert_shards_sum_to_the_whole_mixture(size, gated):
     total = torch.zeros(9, H)
     for rank in range(size):
         layer = build(TensorParallel(rank=rank, size=size), gated, top_k=2)
+        # A gated shared expert runs act(gate) * up as the kernel set's one fused op.
+        assert (getattr(layer.shared_experts, "fused_act", None) is not None) == gated
         load(layer, tensors, fused=False)
         total += layer(x)
     torch.testing.assert_close(total, reference(x, tensors, gated, top_k=2))
