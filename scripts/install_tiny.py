@@ -8,13 +8,16 @@ After a training run (``train_tiny.py train --weights-only``), FOLDER holds
 
 It checks the run (finished, same tokenizer as the bundled one, weights within
 the size budget), copies the four files into ``ssmserve/model_data/ssmserve-bamba-tiny``
-(the tokenizer files there stay), evaluates the installed model on CPU with
-transformers and with ssmserve (``eval_tiny.py``: both held-out sets, the chat
-stop rate), serves it with ``ssmserve serve`` and sends chat requests without
-``max_tokens``, records real samples (``ssmserve generate "def is_prime(n):"``
-and ``LLM.chat`` replies), writes ``benchmarks/results/eval_tiny_<date>_retrained.json``
-and rewrites the generated blocks (``<!-- NAME:begin -->`` ... ``<!-- NAME:end -->``)
-of README.md, ssmserve/model_data/README.md and docs/bundled_model.md.
+(the tokenizer files there stay), adds the sampling defaults ``GENERATION_DEFAULTS`` to
+its generation_config.json, evaluates the installed model on CPU with transformers and
+with ssmserve (``eval_tiny.py``: both held-out sets, the chat stop rate with those
+defaults and at each of ``CHAT_REPETITION_PENALTIES``), serves it with ``ssmserve
+serve`` and sends chat requests without ``max_tokens``, records real samples
+(``ssmserve generate "def is_prime(n):"`` and ``LLM.chat`` replies, all with the model's
+defaults), writes ``benchmarks/results/eval_tiny_<date>_<label>.json`` (``--label``,
+default ``retrained``) and rewrites the generated blocks (``<!-- NAME:begin -->`` ...
+``<!-- NAME:end -->``) of README.md, ssmserve/model_data/README.md and
+docs/bundled_model.md.
 
 ``docs RESULTS`` rewrites the blocks from an existing results file, and
 ``corpus`` only the corpus block (from the data folder's meta.json), without
@@ -49,6 +52,12 @@ INSTALLED_FILES = ("model.safetensors", "config.json", "generation_config.json")
 MAX_BUNDLED_WEIGHT_BYTES = 25_000_000
 CHAT_MAX_TOKENS = 256
 README_CHAT_PROMPT = "Write a Python function `is_prime(n)` that returns True if n is a prime."
+# Sampling defaults of the installed generation_config.json: what `ssmserve serve` and
+# LLM.get_default_sampling_params() use for fields a request leaves unset. The penalty
+# comes from the stop rates the model card lists (CHAT_REPETITION_PENALTIES): it raises
+# how often a greedy chat reply ends with EOS and cuts repeated lines.
+GENERATION_DEFAULTS = {"repetition_penalty": 1.1}
+CHAT_REPETITION_PENALTIES = (1.0, 1.1, 1.2)
 
 
 def find_run_folder(folder: Path) -> Path:
@@ -88,7 +97,11 @@ def install(run: Path) -> None:
     target = MODEL_DATA / NAME
     for name in (*INSTALLED_FILES, "training_report.json"):
         shutil.copyfile(run / name, target / name)
-    logger.info("installed %s into %s", run, target)
+    generation_path = target / "generation_config.json"
+    generation = json.loads(generation_path.read_text())
+    generation.update(GENERATION_DEFAULTS)
+    generation_path.write_text(json.dumps(generation, indent=2) + "\n")
+    logger.info("installed %s into %s (sampling defaults %s)", run, target, GENERATION_DEFAULTS)
 
 
 def free_port() -> int:
@@ -144,8 +157,9 @@ def serve_check(model: Path, prompts: list[list[dict]]) -> list[dict]:
 
 
 def samples(model: Path, chat_prompt: list[dict]) -> dict:
-    """Real output: the README's `ssmserve generate` command, and two greedy chat replies."""
-    from ssmserve import LLM, SamplingParams
+    """Real output: the README's `ssmserve generate` command, and two greedy chat replies
+    with the model's sampling defaults (as the README's example asks for them)."""
+    from ssmserve import LLM
 
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     generate = subprocess.run(
@@ -157,7 +171,8 @@ def samples(model: Path, chat_prompt: list[dict]) -> dict:
     ).stdout
     llm = LLM(model=str(model), dtype="float32", device="cpu")
     conversations = [[{"role": "user", "content": README_CHAT_PROMPT}], chat_prompt]
-    params = SamplingParams(temperature=0, max_tokens=CHAT_MAX_TOKENS)
+    params = llm.get_default_sampling_params()
+    params.temperature, params.max_tokens = 0, CHAT_MAX_TOKENS
     chat = []
     for conversation, output in zip(conversations, llm.chat(conversations, params)):
         completion = output.outputs[0]
@@ -187,6 +202,7 @@ def evaluate(data_dir: Path, max_docs: int | None, chat_prompts: int) -> dict:
         with_ssmserve=True,
         chat_records=records[:chat_prompts],
         chat_max_tokens=CHAT_MAX_TOKENS,
+        chat_repetition_penalties=CHAT_REPETITION_PENALTIES,
     )
     worst = max(entry["rel_loss_difference"] for entry in result["sets"].values())
     if worst > eval_tiny.RELATIVE_TOLERANCE:
@@ -207,8 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("folder", type=Path, help="the training run's output folder")
     run.add_argument("--chat-prompts", type=int, default=64)
     run.add_argument("--max-docs", type=int, default=None, help="per held-out set; smoke runs")
+    run.add_argument(
+        "--label", default="retrained", help="the results file's name: eval_tiny_<date>_<label>"
+    )
     docs = sub.add_parser("docs", help="rewrite the generated blocks from a results file")
-    docs.add_argument("results", type=Path, help="benchmarks/results/eval_tiny_*_retrained.json")
+    docs.add_argument("results", type=Path, help="benchmarks/results/eval_tiny_*.json")
     sub.add_parser("corpus", help="rewrite the corpus block of docs/bundled_model.md only")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -225,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         install(run_folder)
         results = {"date": datetime.date.today().isoformat(), "training": report}
         results["evaluation"] = evaluate(args.data_dir, args.max_docs, args.chat_prompts)
-        out = REPO_ROOT / "benchmarks" / "results" / f"eval_tiny_{results['date']}_retrained.json"
+        name = f"eval_tiny_{results['date']}_{args.label}.json"
+        out = REPO_ROOT / "benchmarks" / "results" / name
         out.write_text(json.dumps(results, indent=2) + "\n")
         logger.info("wrote %s", out)
     tiny_docs.rewrite_all(results, meta, REPO_ROOT)

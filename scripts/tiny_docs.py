@@ -104,10 +104,16 @@ def _bpb(result: dict, name: str) -> float:
     return result["sets"][name]["transformers"]["bits_per_byte"]
 
 
+def _penalty(chat: dict) -> float:
+    # Results files from before eval_tiny named the penalty were measured without one.
+    return chat.get("repetition_penalty", 1.0)
+
+
 def readme_block(results: dict, meta: dict) -> str:
     training = results["training"]
     evaluation = results["evaluation"]
     chat = evaluation["chat"]
+    penalty = _penalty(chat)
     generate = evaluation["samples"]["generate"].rstrip()
     reply = evaluation["samples"]["chat"][0]
     worst = max(entry["rel_loss_difference"] for entry in evaluation["sets"].values())
@@ -134,13 +140,15 @@ def readme_block(results: dict, meta: dict) -> str:
             f"| {title}: bits per byte | {_bpb(evaluation, name):.3f} | {PREVIOUS[name]:.3f} |"
         )
     lines += [
-        f"| {chat['num_prompts']} chat prompts: greedy reply ends with EOS within "
-        f"{chat['max_tokens']} tokens | {chat['stop_fraction']:.0%} | "
+        f"| {chat['num_prompts']} chat prompts: greedy reply (repetition penalty {penalty}) "
+        f"ends with EOS within {chat['max_tokens']} tokens | {chat['stop_fraction']:.0%} | "
         f"{PREVIOUS['chat_stop_fraction']:.0%} |",
         "",
         para(
             f"transformers and ssmserve compute the same figures (to {worst:.0e} relative). "
-            "What it writes, greedy:"
+            "What it writes, greedy, with the sampling defaults of its generation_config.json "
+            f"(repetition penalty {penalty}), which `ssmserve serve` and "
+            "`LLM.get_default_sampling_params()` use:"
         ),
         "",
         "```text",
@@ -149,12 +157,14 @@ def readme_block(results: dict, meta: dict) -> str:
         "```",
         "",
         "```python",
-        "from ssmserve import LLM, SamplingParams",
+        "from ssmserve import LLM",
         "",
         "llm = LLM()",
+        "params = llm.get_default_sampling_params()  # the model's generation_config.json",
+        "params.temperature, params.max_tokens = 0, 256",
         f"prompt = {json.dumps(reply['prompt'])}",
         'messages = [{"role": "user", "content": prompt}]',
-        "reply = llm.chat(messages, SamplingParams(temperature=0, max_tokens=256))",
+        "reply = llm.chat(messages, params)",
         "print(reply[0].outputs[0].text)",
         "```",
         "",
@@ -215,9 +225,27 @@ def card_block(results: dict) -> str:
             f"Chat: of {chat['num_prompts']} held-out write requests (`chat_heldout.json`, "
             f"functions of the held-out modules and packages), {chat['stop_fraction']:.0%} get "
             f"a greedy `LLM.chat` reply that ends with EOS within {chat['max_tokens']} tokens "
-            f"(mean reply {chat['mean_reply_tokens']:.0f} tokens). `ssmserve serve "
-            "--max-model-len 512`, chat requests without `max_tokens` (the four prompts of "
-            "the tests):"
+            f"(mean reply {chat['mean_reply_tokens']:.0f} tokens), with the model's sampling "
+            f"defaults (generation_config.json: repetition penalty {_penalty(chat)})."
+        ),
+    ]
+    sweep = evaluation.get("chat_by_repetition_penalty", [])
+    if sweep:
+        lines += [
+            "",
+            "| repetition penalty | replies ending with EOS | mean reply tokens |",
+            "| --- | --- | --- |",
+        ]
+        for run in sweep:
+            lines.append(
+                f"| {run['repetition_penalty']} | {run['stop_fraction']:.0%} | "
+                f"{run['mean_reply_tokens']:.0f} |"
+            )
+    lines += [
+        "",
+        para(
+            "`ssmserve serve --max-model-len 512`, chat requests without `max_tokens`, with "
+            "the defaults (the four held-out prompts the tests check without a penalty):"
         ),
         "",
         "| prompt | finish reason | completion tokens |",

@@ -34,6 +34,8 @@ NUM_PROMPTS_BY_MODEL = {
 }
 MAX_NEW_TOKENS = 16
 CHAT_MAX_TOKENS = 256
+# The chat example of the README (scripts/install_tiny.py README_CHAT_PROMPT).
+README_CHAT_PROMPT = "Write a Python function `is_prime(n)` that returns True if n is a prime."
 
 
 def bundled_path(name: str) -> Path:
@@ -132,6 +134,7 @@ def test_greedy_continuations_match_transformers(name):
                 max_new_tokens=MAX_NEW_TOKENS,
                 min_new_tokens=0,
                 pad_token_id=eos,
+                repetition_penalty=1.0,  # plain greedy: not the folder's default penalty
             )
             expected.append(strip_eos(out[0, len(ids) :].tolist(), eos))
     del model
@@ -185,6 +188,7 @@ def test_chat_replies_to_heldout_prompts_end_with_eos():
     path = bundled_path("ssmserve-bamba-tiny")
     conversations = chat_prompts()
     llm = LLM(model=str(path), dtype="float32", device="cpu")
+    # Plain greedy, without the folder's repetition penalty (test_default_sampling_...).
     outputs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=CHAT_MAX_TOKENS))
     finished = [o.outputs[0].finish_reason for o in outputs]
     assert finished == ["stop"] * len(conversations), [o.outputs[0].text for o in outputs]
@@ -203,10 +207,48 @@ def test_chat_replies_to_heldout_prompts_end_with_eos():
                 do_sample=False,
                 max_new_tokens=CHAT_MAX_TOKENS,
                 pad_token_id=eos,
+                repetition_penalty=1.0,  # generate() would take the folder's otherwise
             )
         reply = out[0, len(ids) :].tolist()
         assert reply[-1] == eos, conversation
         assert strip_eos(list(output.outputs[0].token_ids), eos) == reply[:-1]
+
+
+@chat_trained
+def test_default_sampling_params_are_the_folders_and_match_transformers_penalty():
+    """The bundled generation_config.json's repetition penalty is what LLM (and the
+    server) use for fields left unset, and greedy replies with it equal transformers'
+    greedy generate() with the same penalty (prompt and output tokens penalised), while
+    differing from the unpenalised replies."""
+    from transformers import AutoModelForCausalLM
+
+    from ssmserve import LLM, SamplingParams
+
+    path = bundled_path("ssmserve-bamba-tiny")
+    folder_penalty = json.loads((path / "generation_config.json").read_text())["repetition_penalty"]
+    llm = LLM(model=str(path), dtype="float32", device="cpu")
+    params = llm.get_default_sampling_params()
+    assert params.repetition_penalty == folder_penalty != 1.0
+    params.temperature, params.max_tokens = 0, 64
+    conversations = chat_prompts()[:2]
+    outputs = llm.chat(conversations, params)
+    plain = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=64))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    for output in outputs:
+        ids = output.prompt_token_ids
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=64,
+                pad_token_id=eos,
+                repetition_penalty=folder_penalty,
+            )
+        reply = strip_eos(out[0, len(ids) :].tolist(), eos)
+        assert strip_eos(list(output.outputs[0].token_ids), eos) == reply
+    assert [o.outputs[0].token_ids for o in outputs] != [o.outputs[0].token_ids for o in plain]
 
 
 @chat_trained
@@ -223,8 +265,10 @@ def test_served_chat_without_max_tokens_stops_by_itself():
     # A short context bounds the time a reply that never stops can take.
     config = EngineConfig(model=str(path), device="cpu", dtype="float32", max_model_len=512)
     app = build_app(AsyncLLMEngine(LLMEngine(config)), "ssmserve-bamba-tiny")
+    # The README's chat example, with the model's defaults for everything but temperature.
+    messages = [{"role": "user", "content": README_CHAT_PROMPT}]
     with ServerThread(app) as server:
-        body = {"model": "ssmserve-bamba-tiny", "messages": chat_prompts()[0], "temperature": 0}
+        body = {"model": "ssmserve-bamba-tiny", "messages": messages, "temperature": 0}
         response = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=300)
     assert response.status_code == 200, response.text
     payload = response.json()
