@@ -64,6 +64,22 @@ def strip_eos(ids: list[int], eos: int) -> list[int]:
     return ids[: ids.index(eos)] if eos in ids else ids
 
 
+def hf_greedy(model, ids: list[int], max_new_tokens: int, eos: int, penalty: float) -> list:
+    """transformers' greedy continuation of `ids` (EOS kept where it stops), with the
+    repetition penalty given: generate() would otherwise take the folder's default."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+            pad_token_id=eos,
+            repetition_penalty=penalty,
+        )
+    return out[0, len(ids) :].tolist()
+
+
 @pytest.mark.parametrize("name", BUNDLED)
 def test_bundled_folder_is_complete_in_installed_package(name):
     import ssmserve
@@ -124,19 +140,7 @@ def test_greedy_continuations_match_transformers(name):
     eos = tokenizer.eos_token_id
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    expected = []
-    with torch.no_grad():
-        for ids in prompts:
-            out = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=MAX_NEW_TOKENS,
-                min_new_tokens=0,
-                pad_token_id=eos,
-                repetition_penalty=1.0,  # plain greedy: not the folder's default penalty
-            )
-            expected.append(strip_eos(out[0, len(ids) :].tolist(), eos))
+    expected = [strip_eos(hf_greedy(model, ids, MAX_NEW_TOKENS, eos, 1.0), eos) for ids in prompts]
     del model
 
     llm = LLM(model=str(path), dtype="float32", device="cpu")
@@ -199,17 +203,7 @@ def test_chat_replies_to_heldout_prompts_end_with_eos():
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     eos = tokenizer.eos_token_id
     for conversation, output in list(zip(conversations, outputs))[:2]:
-        ids = output.prompt_token_ids
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=CHAT_MAX_TOKENS,
-                pad_token_id=eos,
-                repetition_penalty=1.0,  # generate() would take the folder's otherwise
-            )
-        reply = out[0, len(ids) :].tolist()
+        reply = hf_greedy(model, output.prompt_token_ids, CHAT_MAX_TOKENS, eos, 1.0)
         assert reply[-1] == eos, conversation
         assert strip_eos(list(output.outputs[0].token_ids), eos) == reply[:-1]
 
@@ -236,17 +230,7 @@ def test_default_sampling_params_are_the_folders_and_match_transformers_penalty(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
     for output in outputs:
-        ids = output.prompt_token_ids
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=64,
-                pad_token_id=eos,
-                repetition_penalty=folder_penalty,
-            )
-        reply = strip_eos(out[0, len(ids) :].tolist(), eos)
+        reply = strip_eos(hf_greedy(model, output.prompt_token_ids, 64, eos, folder_penalty), eos)
         assert strip_eos(list(output.outputs[0].token_ids), eos) == reply
     assert [o.outputs[0].token_ids for o in outputs] != [o.outputs[0].token_ids for o in plain]
 
