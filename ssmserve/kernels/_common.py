@@ -173,11 +173,17 @@ def num_sms(device: torch.device) -> int:
 
 def check_shape(name: str, t: torch.Tensor, shape: Sequence[int | None]) -> None:
     """Raise ValueError unless `t` has `shape` (None entries match any size)."""
-    if t.dim() != len(shape) or any(
-        want is not None and got != want for got, want in zip(t.shape, shape, strict=True)
-    ):
-        pretty = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{name} must have shape {pretty}, got {list(t.shape)}")
+    # A plain loop: this runs for every argument of every kernel launch of a prefill
+    # (about 28 a layer), where a generator expression costs 2.5x as much host time.
+    got = t.shape
+    if len(got) == len(shape):
+        for size, want in zip(got, shape):
+            if want is not None and size != want:
+                break
+        else:
+            return
+    pretty = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+    raise ValueError(f"{name} must have shape {pretty}, got {list(t.shape)}")
 
 
 def process_dt(
