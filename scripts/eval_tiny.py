@@ -153,11 +153,10 @@ def chat_stop_rate(
     given replaces the model's.
     """
     start_time = time.perf_counter()
+    given = {} if repetition_penalty is None else {"repetition_penalty": repetition_penalty}
     params = dataclasses.replace(
-        llm.get_default_sampling_params(), temperature=0.0, max_tokens=max_tokens
+        llm.get_default_sampling_params(), temperature=0.0, max_tokens=max_tokens, **given
     )
-    if repetition_penalty is not None:
-        params = dataclasses.replace(params, repetition_penalty=repetition_penalty)
     conversations = [r["messages"] for r in records]
     outputs = llm.chat(conversations, params)
     completions = [o.outputs[0] for o in outputs]

@@ -244,12 +244,10 @@ class FusedMoE(nn.Module):
         self.experts = FusedExperts(num_experts, expert_size, intermediate_size, tp, gated)
         self.shared_experts = None
         if shared_intermediate_size:
-            shared_args = (hidden_size, shared_intermediate_size, tp, activation)
+            args = (hidden_size, shared_intermediate_size, tp, activation)
             kw = {"bias": shared_bias, "reduce_results": False}
-            if gated:  # act(gate) * up fused, as in the dense layers
-                self.shared_experts = GatedMLP(*shared_args, **kw, ops=ops)
-            else:
-                self.shared_experts = MLP(*shared_args, **kw)
+            # Gated: act(gate) * up as the kernel set's fused op, as in the dense layers.
+            self.shared_experts = GatedMLP(*args, **kw, ops=ops) if gated else MLP(*args, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.router_in_float32:
