@@ -1,7 +1,8 @@
 """Run Triton kernels in the CPU interpreter (TRITON_INTERPRET=1) for tests and smoke runs.
 
 The product never patches Triton; this harness does, because Triton 3.6's interpreter has
-two problems that would make CPU results depend on the numpy version and on import order:
+two problems that would make CPU results depend on the numpy version and on import order,
+and one that makes it needlessly slow:
 
 1. It holds scalars as shape-(1,) arrays and converts them with `int(array)`, which numpy
    >= 2.4 rejects, so `for i in range(start, end)` with a runtime bound fails
@@ -10,6 +11,10 @@ two problems that would make CPU results depend on the numpy version and on impo
    imported; if that happened before TRITON_INTERPRET=1 was set (transformers imports
    triton), they are compiled-mode functions that refuse to run inside the interpreter.
    Inside an interpreted launch, every JITFunction is run as an interpreted function.
+3. `tl.associative_scan` with a user combine function calls it once per element, on
+   scalars (the Mamba1 selective scan spent 147 of a test's 200 s there). A combine
+   function is elementwise, so calling it once per position along the scan axis, on the
+   whole slice, computes every element with the same operations in the same order.
 
 Both patches apply only while the interpreter runs a launch: the interpreter installs and
 restores its own patches around each launch, and these ride on that.
@@ -49,7 +54,28 @@ def patch_interpreter() -> None:
         scope.set_attr(JITFunction, "__call__", call_as_interpreted)
 
     interpreter._patch_lang_tensor = patched
+    interpreter.ScanOps.generic_scan = _scan_by_slices
     setattr(interpreter, _MARK, True)
+
+
+def _scan_by_slices(self: Any, inputs: list[Any]) -> list[Any]:
+    """The interpreter's generic scan, one combine call per position along the axis."""
+    import numpy as np
+
+    arrays = [np.moveaxis(arg.handle.data, self.axis, 0) for arg in inputs]
+    outputs = [np.empty_like(a) for a in arrays]
+    for out, a in zip(outputs, arrays):
+        out[0] = a[0]
+    for i in range(1, arrays[0].shape[0]):
+        acc = [self.to_tensor(out[i - 1], arg.dtype) for out, arg in zip(outputs, inputs)]
+        cur = [self.to_tensor(a[i], arg.dtype) for a, arg in zip(arrays, inputs)]
+        result = self.combine_fn.fn(*acc, *cur)
+        for out, value in zip(outputs, result if isinstance(result, tuple) else (result,)):
+            out[i] = value.handle.data if hasattr(value, "handle") else value
+    return [
+        self.to_tensor(np.ascontiguousarray(np.moveaxis(out, 0, self.axis)), arg.dtype)
+        for out, arg in zip(outputs, inputs)
+    ]
 
 
 @contextlib.contextmanager
