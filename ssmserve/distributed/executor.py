@@ -308,8 +308,10 @@ class DistributedExecutor:
                         work.wait()
                 except (RuntimeError, dist.DistBackendError):
                     pass
-            for proc in self._procs:
-                _wait(proc, 10)
+                for proc in self._procs:
+                    _wait(proc, 10)
+            # NOTE: after a failure the workers left wait in a collective that no longer
+            # completes, and no exit message reaches them: they are stopped at once.
         for proc in self._procs:
             if proc.poll() is None:
                 proc.terminate()
