@@ -23,7 +23,6 @@ The engine's own step at the same shape is what benchmarks/long_outputs.py times
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import sys
 import time
@@ -31,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ssmserve.bench.common import fmt, markdown_table, run_metadata, write_json
+from ssmserve.bench.common import fmt, kernel_table, markdown_table, run_metadata, write_json
 from ssmserve.bench.floors import device_peaks, engine_costs, floor_s
 from ssmserve.config import EngineConfig, add_engine_args
 from ssmserve.engine.engine import LLMEngine
@@ -55,34 +54,6 @@ def decode_step(engine: LLMEngine, batch: int, context: int) -> torch.Tensor:
         slot = engine.state_pool.allocate() if engine.state_pool is not None else None
         inputs.add_sequence([1 + i % 100], context, blocks, block_size, slot)
     return inputs.pack()
-
-
-def kernel_table(run, iters: int, device: torch.device) -> tuple[list[dict[str, Any]], float]:
-    """Per kernel name: launches and microseconds per step over `iters` steps (device time
-    on CUDA, CPU time of each op on the CPU); and the step's busy time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
-        for _ in range(iters):
-            run()
-        if cuda:
-            torch.cuda.synchronize(device)
-    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
-    for event in prof.key_averages():
-        us = event.device_time_total if cuda else event.self_cpu_time_total
-        if us <= 0 or (cuda and event.device_type != torch.autograd.DeviceType.CUDA):
-            continue
-        entry = totals[event.key[:80]]
-        entry[0] += event.count
-        entry[1] += us
-    busy = sum(us for _, us in totals.values()) / iters
-    rows = [
-        {"kernel": name, "launches": count / iters, "us": us / iters, "share": us / iters / busy}
-        for name, (count, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])
-    ]
-    return rows, busy
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -3,6 +3,7 @@ progress bar of LLM.generate."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -25,6 +26,14 @@ from ssmserve.outputs import CompletionOutput, RequestOutput
 
 CPU = dict(device="cpu", dtype="float32")
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_benchmark(name: str):
+    """The module of the script benchmarks/<name>.py (the folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -348,13 +357,7 @@ def test_long_outputs_runs_the_largest_batch_the_cache_holds(checkpoint, tmp_pat
     blocks and state slots the engine's cache budget holds (the planner, asked for one
     more, gives fewer blocks than they need), every request runs in the timed window, and
     the report compares the first model with the last."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "long_outputs", ROOT / "benchmarks/long_outputs.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("long_outputs")
     budget, shape = 24 * 2**20, ["--input-len", "16", "--output-len", "112", "--context", "40"]
     report = bench.main(
         ["--models", checkpoint("bamba"), checkpoint("llama"), "--window", "3", *shape]
@@ -389,13 +392,7 @@ def test_state_precision_measures_16_bit_state_against_float32(tmp_path):
     """benchmarks/state_precision.py on the bundled model: one row per variant, every
     position of every sequence measured, float32 against float32 in another batch ~0,
     and 16-bit state a real, small difference (bfloat16's 8 bits more than float16's 11)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "state_precision", ROOT / "benchmarks/state_precision.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("state_precision")
     out = tmp_path / "state_precision.json"
     report = bench.main(
         ["--num-tokens", "40", "--prompt-len", "8", "--num-seqs", "2", "--output", str(out)]
@@ -427,13 +424,7 @@ def test_decode_profile_times_a_built_decode_step_without_prefilling(checkpoint,
     built from the engine's pools, runs through the engine's model runner; the report has
     the shape asked for, its bytes and FLOPs, a time per step, and a per-op breakdown that
     adds up to its busy time."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "decode_profile", ROOT / "benchmarks/decode_profile.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("decode_profile")
     out = tmp_path / "profile.json"
     report = bench.main(
         ["--model", checkpoint("bamba"), "--batch-size", "3", "--context", "21", "--iters", "2"]
@@ -449,3 +440,54 @@ def test_decode_profile_times_a_built_decode_step_without_prefilling(checkpoint,
         and abs(sum(k["us"] for k in kernels) - report["busy_us"]) < 1e-6 * report["busy_us"] + 1e-9
     )
     assert any(k["kernel"] == "aten::mm" for k in kernels)
+
+
+@pytest.mark.parametrize("overlap", ["--overlap-steps", "--no-overlap-steps"])
+def test_step_overhead_times_the_steady_steps_against_their_forward(checkpoint, tmp_path, overlap):
+    """benchmarks/step_overhead.py: 4 prompts of 8 tokens, 16 tokens a step, prefix caching
+    on (a prompt's last token in a step after the rest). Step 1 prefills 7 + 7 tokens of
+    the first two prompts and 2 of the third; step 2 samples the first two's first tokens
+    and prefills 5 of the third and 7 of the fourth; step 3 samples all four. The first two
+    have their 30th token at step 31, so steps 3 to 31 advance all four: 29 steady steps,
+    of which 2 + 2 are dropped, with the engine's steps overlapped (each call returns the
+    step before's tokens) or not. The forward replayed is a decode of all four, and the
+    overhead is step minus forward."""
+    bench = load_benchmark("step_overhead")
+    out = tmp_path / "step_overhead.json"
+    report = bench.main(
+        ["--model", checkpoint("bamba"), "--num-requests", "4", "--input-len", "8"]
+        + ["--output-len", "30", "--skip-first", "2", "--skip-last", "2", "--forward-iters", "2"]
+        + ["--max-num-batched-tokens", "16", "--enable-prefix-caching", overlap]
+        + ["--device", "cpu", "--dtype", "float32", "--cache-memory", str(24 * 2**20)]
+        + ["--disable-tqdm", "--json", str(out)]
+    )
+    assert (report["steady_steps"], report["steady_steps_used"]) == (29, 25)
+    assert (report["forward_batch"], report["graph"], report["preemptions"]) == (4, False, 0)
+    assert report["step_ms"] > 0 and report["forward_ms"] > 0
+    assert report["overhead_ms"] == report["step_ms"] - report["forward_ms"]
+    assert json.loads(out.read_text()) == report
+
+
+def test_prefill_profile_splits_a_prompts_ttft_and_its_steps(checkpoint, tmp_path):
+    """benchmarks/prefill_profile.py, a 40-token prompt with prefix caching on and off: a
+    TTFT and a busy time whose op rows add up to it; with caching on, the SSM state before
+    the last token is kept, so the prefill stops one token short and the last token takes
+    a step of its own (39 + 1); off, one step of 40."""
+    bench = load_benchmark("prefill_profile")
+    step_tokens = {}
+    for caching in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+        out = tmp_path / f"prefill{caching}.json"
+        report = bench.main(
+            ["--model", checkpoint("bamba"), "--input-len", "40", "--warmup", "1", caching]
+            + ["--device", "cpu", "--dtype", "float32", "--cache-memory", str(24 * 2**20)]
+            + ["--json", str(out)]
+        )
+        assert json.loads(out.read_text()) == report
+        assert report["prefix_caching"] == (caching == "--enable-prefix-caching")
+        assert report["ttft_ms"] > 0 and report["busy_ms"] > 0 and report["kernels"] > 0
+        busy_us = sum(r["us"] for r in report["kernel_rows"])
+        assert busy_us == pytest.approx(1e3 * report["busy_ms"], rel=1e-9)
+        assert report["host_share"] == pytest.approx(1 - report["busy_ms"] / report["ttft_ms"])
+        assert report["steps"] == len(report["step_tokens"])
+        step_tokens[report["prefix_caching"]] = report["step_tokens"]
+    assert step_tokens == {True: [39, 1], False: [40]}

@@ -1,7 +1,9 @@
-"""What the benchmarks share: run metadata, percentiles, Markdown tables, JSON reports."""
+"""What the benchmarks share: run metadata, percentiles, Markdown tables, JSON reports,
+per-kernel profiles."""
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -11,7 +13,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ssmserve
@@ -130,3 +132,35 @@ def write_json(path: str, report: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
         f.write("\n")
+
+
+def kernel_table(
+    run: Callable[[], object], iters: int, device: Any
+) -> tuple[list[dict[str, Any]], float]:
+    """Per kernel name, over `iters` calls of `run` under torch.profiler: launches and
+    microseconds per call (device time of each kernel on CUDA, self CPU time of each op on
+    the CPU), largest first; and the busy microseconds per call (the rows' sum)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for _ in range(iters):
+            run()
+        if cuda:
+            torch.cuda.synchronize(device)
+    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for event in prof.key_averages():
+        us = event.device_time_total if cuda else event.self_cpu_time_total
+        if us <= 0 or (cuda and event.device_type != torch.autograd.DeviceType.CUDA):
+            continue
+        entry = totals[event.key[:80]]
+        entry[0] += event.count
+        entry[1] += us
+    busy = sum(us for _, us in totals.values()) / iters
+    rows = [
+        {"kernel": name, "launches": count / iters, "us": us / iters, "share": us / iters / busy}
+        for name, (count, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])
+    ]
+    return rows, busy
