@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The GPU set behind benchmarks/results/: the GPU tests and the figures issue #16 tracks,
+# each as the exact command that makes it, with random weights at real size
+# (benchmarks/configs/, --load-format dummy). Run it from the repository root on one H200:
+#
+#     bash benchmarks/h200.sh COMMIT SECTION [SECTION ...]
+#
+# COMMIT is recorded in every JSON (the device's copy of the tree has no .git). Each
+# section's JSON and log go to $OUT/SECTION/ (default benchmarks/results/raw/SECTION/),
+# and with $OUT set, each section is also packed as $OUT/SECTION.tgz, one file per
+# section. Sections run in the order given; one that fails is reported and the next one
+# still runs. A device call runs ten minutes at most: give each call sections that fit.
+# Rough wall times on one H200, model loading included (2026-12):
+#
+#   tests        GPU kernel, model and CUDA-graph tests                        ~4 min
+#   kernels      state update (Mamba1 regrouped and Mamba2) and MoE launch sizes ~3 min
+#   latency      batch-1 decode at 2k: Bamba-9B, Llama-3-8B, Mamba2-2.7B, Mamba-2.8B ~5 min
+#   prefill      one 2k prefill (Mamba2-2.7B, caching on / off); Bamba-9B TTFT 32k, 128k ~6 min
+#   step         engine step minus forward, Bamba-9B at 256 running; Bamba b484 decode profile ~5 min
+#   throughput   256 x 1k in / 1k out: Bamba-9B, Llama-3-8B, Jamba-Mini-1.7  ~8 min
+#   long         1k in / 8k out at each model's largest batch, fp32 and bf16 state ~9 min
+set -uo pipefail
+
+if [ $# -lt 2 ]; then
+    sed -n '2,22p' "$0"
+    exit 2
+fi
+export SSMSERVE_COMMIT=$1
+shift
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+results=${OUT:-benchmarks/results/raw}
+configs=benchmarks/configs
+dummy=(--load-format dummy)
+failed=()
+
+latency_b1() {  # model name: decode at batch 1 after a 2k prompt
+    python3 -m ssmserve.cli bench latency --model "$configs/$1" "${dummy[@]}" --batch-size 1 \
+        --input-len 2048 --output-len 64 --num-iters-warmup 1 --num-iters 3 --max-num-seqs 4 \
+        --max-model-len 4096 --disable-tqdm --output-json "$dir/latency_${1}_b1_2k.json"
+}
+
+ttft() {  # tokens: Bamba-9B's time to first token for one prompt of that many tokens
+    python3 -m ssmserve.cli bench latency --model "$configs/bamba-9b" "${dummy[@]}" \
+        --batch-size 1 --input-len "$1" --output-len 1 --num-iters-warmup 1 --num-iters 2 \
+        --max-num-seqs 2 --max-model-len $(($1 + 16)) --disable-tqdm \
+        --output-json "$dir/latency_bamba-9b_prefill_$1.json"
+}
+
+throughput() {  # model name: 256 requests of 1k in / 1k out
+    python3 -m ssmserve.cli bench throughput --model "$configs/$1" "${dummy[@]}" \
+        --input-len 1024 --output-len 1024 --num-prompts 256 --disable-tqdm \
+        --output-json "$dir/throughput_${1}_256x1k1k.json"
+}
+
+section() {
+    case $1 in
+    tests)
+        python3 -m pytest -q -x tests/kernels tests/test_triton_models.py tests/test_cuda_graphs.py
+        ;;
+    kernels)
+        python3 benchmarks/kernels/bench_state_update.py --sections accuracy,sizes \
+            --out "$dir/state_update_h200.json" &&
+            python3 benchmarks/kernels/bench_moe.py --sections sizes --out "$dir/moe_h200.json"
+        ;;
+    latency)
+        for model in bamba-9b llama-3-8b mamba2-2.7b mamba-2.8b; do
+            latency_b1 $model || return
+        done
+        ;;
+    prefill)
+        for caching in on off; do
+            flag=--enable-prefix-caching
+            [ $caching = on ] || flag=--no-enable-prefix-caching
+            python3 benchmarks/prefill_profile.py --model "$configs/mamba2-2.7b" "${dummy[@]}" \
+                --input-len 2048 $flag --max-model-len 4096 \
+                --json "$dir/prefill_profile_mamba2-2.7b_2k_caching_$caching.json" || return
+        done
+        ttft 32768 && ttft 131072
+        ;;
+    step)
+        python3 benchmarks/step_overhead.py --model "$configs/bamba-9b" "${dummy[@]}" \
+            --num-requests 256 --input-len 1024 --output-len 160 --disable-tqdm \
+            --json "$dir/step_overhead_bamba-9b_256.json" &&
+            python3 benchmarks/decode_profile.py --model "$configs/bamba-9b" "${dummy[@]}" \
+                --batch-size 484 --context 5120 --iters 5 --profile --profile-iters 2 --top 14 \
+                --json "$dir/decode_profile_bamba-9b_b484_5k.json"
+        ;;
+    throughput)
+        for model in bamba-9b llama-3-8b jamba-mini-1.7; do
+            throughput $model || return
+        done
+        ;;
+    long)
+        python3 benchmarks/long_outputs.py "${dummy[@]}" --models "$configs/bamba-9b" \
+            "$configs/llama-3-8b" --state-dtypes float32 bfloat16 --window 48 \
+            --json "$dir/long_outputs_h200.json"
+        ;;
+    *)
+        echo "unknown section $1 (see the head of $0)" >&2
+        return 2
+        ;;
+    esac
+}
+
+for name in "$@"; do
+    dir=$results/$name
+    mkdir -p "$dir"
+    echo "== $name ($(date -u +%H:%M:%S))"
+    if ! (section "$name") 2>&1 | tee "$dir/log.txt"; then
+        failed+=("$name")
+    fi
+    if [ -n "${OUT:-}" ]; then
+        tar czf "$OUT/$name.tgz" -C "$results" "$name"
+        rm -rf "${dir:?}"
+    fi
+done
+echo "== done ($(date -u +%H:%M:%S)); failed: ${failed[*]:-none}"
+[ ${#failed[@]} -eq 0 ]
