@@ -327,7 +327,9 @@ def test_startup_objects_are_frozen_once_and_engines_are_still_collected(checkpo
     del first, llm
     gc.collect()
     assert all(ref() is None for ref in dropped), "a dropped engine or LLM was not collected"
-    assert gc.get_freeze_count() == frozen
+    # Nothing was frozen again (an engine's build adds thousands of objects); a frozen
+    # object may still die by reference counting meanwhile, which lowers the count.
+    assert gc.get_freeze_count() <= frozen
     second.shutdown()
 
 
