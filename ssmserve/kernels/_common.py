@@ -155,6 +155,18 @@ def lazy_jit(
     return LazyKernel(fn, do_not_specialize)
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division, for launch grids on the host: `triton.cdiv` is a Triton constexpr
+    function, whose host calls cost ~4 us each (0.2 here), and a prefill makes hundreds."""
+    return -(-a // b)
+
+
+def as_int8(flags: torch.Tensor) -> torch.Tensor:
+    """Per-sequence flags as the int8 (0 / 1) the kernels read: a bool tensor's bytes are
+    those already, so it is viewed (no conversion kernel in every layer's launch)."""
+    return flags.view(torch.int8) if flags.dtype == torch.bool else flags.to(torch.int8)
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (Triton block sizes must be powers of two)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()

@@ -12,13 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from ssmserve.kernels._common import (
+    as_int8,
+    cdiv,
     check_shape,
     check_varlen,
     check_varlen_shapes,
     lazy_jit,
     next_pow2,
     tl,
-    triton,
 )
 
 _ACTIVATIONS = (None, "silu", "swish")
@@ -289,10 +290,10 @@ def causal_conv1d_varlen_triton(
     y = torch.empty_like(x)
     if S == 0:
         return y
-    has_init = has_initial_state.to(torch.int8)
+    has_init = as_int8(has_initial_state)
     block_t, block_c = 16, min(256, next_pow2(Cd))
     if T > 0:
-        grid = (triton.cdiv(T, block_t), triton.cdiv(Cd, block_c))
+        grid = (cdiv(T, block_t), cdiv(Cd, block_c))
         _conv1d_varlen_kernel[grid](
             x,
             weight,
@@ -316,7 +317,7 @@ def causal_conv1d_varlen_triton(
             BLOCK_T=block_t,
             BLOCK_C=block_c,
         )
-    grid = (S, triton.cdiv(Cd, block_c))
+    grid = (S, cdiv(Cd, block_c))
     _conv1d_varlen_state_kernel[grid](
         x,
         conv_state,
@@ -416,7 +417,7 @@ def causal_conv1d_update_triton(
     if Bt == 0:
         return y
     block_c = min(256, next_pow2(Cd))
-    grid = (Bt, triton.cdiv(Cd, block_c))
+    grid = (Bt, cdiv(Cd, block_c))
     _conv1d_update_kernel[grid](
         x,
         conv_state,

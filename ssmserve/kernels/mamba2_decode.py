@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ssmserve.kernels._common import (
+    cdiv,
     check_shape,
     device_function,
     launch_config,
@@ -32,7 +33,6 @@ from ssmserve.kernels._common import (
     next_pow2,
     num_sms,
     tl,
-    triton,
 )
 from ssmserve.kernels.causal_conv1d import causal_conv1d_update_ref
 from ssmserve.kernels.state_update import selective_state_update_ref
@@ -550,7 +550,7 @@ def mamba2_decode_update_triton(
     rounding = 0
     if rounding_offsets is not None and ssm_state.dtype in ROUNDED_DTYPES:
         rounding = 1 if ssm_state.dtype == torch.bfloat16 else 2
-    num_p_blocks = triton.cdiv(P, block_p)
+    num_p_blocks = cdiv(P, block_p)
     programs_per_group = num_p_blocks * (H // G // heads_per_program)
     grid = (programs_per_group, G, Bt)
     _mamba2_decode_kernel[grid](

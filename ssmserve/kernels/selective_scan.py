@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from ssmserve.kernels._common import (
+    as_int8,
+    cdiv,
     check_shape,
     check_snapshot_shapes,
     check_snapshots,
@@ -32,7 +34,6 @@ from ssmserve.kernels._common import (
     next_pow2,
     num_sms,
     tl,
-    triton,
 )
 
 # Tokens whose decay and input terms the twin materialises at once ([L, Dm, N] floats).
@@ -401,7 +402,7 @@ def scan_launch_config(
     """
     block_n = next_pow2(N)
     n_inner = min(4, block_n)
-    few_programs = device.type == "cuda" and S * triton.cdiv(Dm, 32) < 4 * num_sms(device)
+    few_programs = device.type == "cuda" and S * cdiv(Dm, 32) < 4 * num_sms(device)
     num_warps = 2 if few_programs else 4
     default = {
         "block_t": 16 if few_programs else 8,
@@ -459,7 +460,7 @@ def selective_scan_varlen_triton(
     cfg = scan_launch_config(S, Dm, N, u.device, config)
     if cfg["float_bc"]:
         B, C = B.float(), C.float()
-    grid = (triton.cdiv(Dm, cfg["block_d"]), S)
+    grid = (cdiv(Dm, cfg["block_d"]), S)
     _selective_scan_kernel[grid](
         u,
         delta,
@@ -473,7 +474,7 @@ def selective_scan_varlen_triton(
         ssm_state,
         cu_seqlens,
         state_slots,
-        has_initial_state.to(torch.int8),
+        as_int8(has_initial_state),
         snapshot_seqs,
         snapshot_lens,
         snapshot_slots,

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from ssmserve.kernels._common import (
+    as_int8,
+    cdiv,
     check_shape,
     check_snapshot_shapes,
     check_snapshots,
@@ -41,7 +43,6 @@ from ssmserve.kernels._common import (
     prev_pow2,
     process_dt,
     tl,
-    triton,
 )
 
 
@@ -785,7 +786,7 @@ def _chunk_layout(
     S = cu_seqlens.shape[0] - 1
     # Whole chunks, plus per sequence at most one partial or empty chunk, and one more
     # where its first chunk is shortened to align the rest.
-    num_chunk_ids = triton.cdiv(T, chunk) + (2 * S if start_positions is not None else S)
+    num_chunk_ids = cdiv(T, chunk) + (2 * S if start_positions is not None else S)
     dev = dt.device
     meta = torch.empty(3, num_chunk_ids, dtype=torch.int32, device=dev)
     seq_first_chunk = torch.empty(S + 1, dtype=torch.int32, device=dev)
@@ -798,7 +799,7 @@ def _chunk_layout(
     snapshot_row = None
     if num_snapshots:
         snapshot_row = torch.empty(num_chunk_ids, dtype=torch.int32, device=dev)
-    _ssd_chunk_cumsum_kernel[(num_chunk_ids, triton.cdiv(H, block_h))](
+    _ssd_chunk_cumsum_kernel[(num_chunk_ids, cdiv(H, block_h))](
         dt,
         A,
         dt_bias,
@@ -918,7 +919,7 @@ def _scan_chunks(
     dots = _dot_config(x.dtype)
     block, block_t = cfg["block"], cfg["block_t"]
     block_p = max(16, min(cfg["block_p"], next_pow2(P)))
-    p_blocks = triton.cdiv(P, block_p)
+    p_blocks = cdiv(P, block_p)
     block_n = max(16, next_pow2(N))
     num_chunk_ids = layout["chunk_len"].shape[0]
     dev = x.device
@@ -962,7 +963,7 @@ def _scan_chunks(
         layout["chunk_seq"],
         layout["seq_first_chunk"],
         state_slots,
-        has_initial_state.to(torch.int8),
+        as_int8(has_initial_state),
         ssm_state,
         layout.get("snapshot_row"),
         ring,

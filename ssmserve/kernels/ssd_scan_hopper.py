@@ -31,12 +31,13 @@ Triton-language kernels. docs/kernels.md has the measurements.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 
 import torch
 
-from ssmserve.kernels._common import HAS_TRITON, interpret_mode
+from ssmserve.kernels._common import HAS_TRITON, as_int8, interpret_mode
 from ssmserve.kernels.ssd_scan import _prepare, _scan_chunks, scan_launch_config
 
 HAS_GLUON = HAS_TRITON and importlib.util.find_spec("triton.experimental.gluon") is not None
@@ -70,12 +71,17 @@ NUM_STAGES = 3
 
 def hopper_unavailable_reason(device: torch.device) -> str | None:
     """Why the Gluon kernel cannot run on `device` (kernel_backend "hopper"), or None."""
+    return _unavailable_reason(device, interpret_mode())
+
+
+@functools.cache  # asked at every launch: a device's answer does not change
+def _unavailable_reason(device: torch.device, interpreting: bool) -> str | None:
     if not HAS_GLUON:
         return (
             "kernel backend 'hopper' needs Triton with Gluon (triton.experimental.gluon, "
             "Triton >= 3.6); use kernel_backend='triton'"
         )
-    if interpret_mode():
+    if interpreting:
         return (
             "kernel backend 'hopper' does not run in the Triton interpreter "
             "(TRITON_INTERPRET=1); use kernel_backend='triton'"
@@ -507,6 +513,18 @@ def _ssd_scan_hopper_kernel(
     )
 
 
+@functools.cache
+def _shared_layouts(P: int, N: int) -> tuple:
+    """The kernel's shared-memory layouts of x and y blocks, B and C blocks, and the cum /
+    dt vectors (made once: each costs host time at every launch otherwise)."""
+    blk, bf16 = BLOCK_TOKENS, gl.bfloat16
+    return (
+        gl.NVMMASharedLayout.get_default_for([blk, P], bf16),
+        gl.NVMMASharedLayout.get_default_for([blk, N], bf16),
+        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1),
+    )
+
+
 def launch_hopper_scan(
     x: torch.Tensor,
     B: torch.Tensor,
@@ -523,30 +541,16 @@ def launch_hopper_scan(
     ssd_scan._prepare's): one CTA per head."""
     T, H, P = x.shape
     G, N = B.shape[1:]
-    bf16 = gl.bfloat16
     blk = BLOCK_TOKENS
-    x_desc = TensorDescriptor(
-        x,
-        [T, H * P],
-        [x.stride(0), 1],
-        [blk, P],
-        gl.NVMMASharedLayout.get_default_for([blk, P], bf16),
-    )
-    bc_layout = gl.NVMMASharedLayout.get_default_for([blk, N], bf16)
+    xy_layout, bc_layout, vec_layout = _shared_layouts(P, N)
+    x_desc = TensorDescriptor(x, [T, H * P], [x.stride(0), 1], [blk, P], xy_layout)
     b_desc = TensorDescriptor(B, [T, G * N], [B.stride(0), 1], [blk, N], bc_layout)
     c_desc = TensorDescriptor(C, [T, G * N], [C.stride(0), 1], [blk, N], bc_layout)
     # cum and dt ([chunk ids, H, 256] float32) as flat vectors, one 64-entry box per block.
-    vec_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     cum1, dt1 = layout["cum"].view(-1), layout["dt"].view(-1)
     cum_desc = TensorDescriptor(cum1, [cum1.numel()], [1], [blk], vec_layout)
     dt_desc = TensorDescriptor(dt1, [dt1.numel()], [1], [blk], vec_layout)
-    y_desc = TensorDescriptor(
-        y,
-        [T, H * P],
-        [y.stride(0), 1],
-        [blk, P],
-        gl.NVMMASharedLayout.get_default_for([blk, P], bf16),
-    )
+    y_desc = TensorDescriptor(y, [T, H * P], [y.stride(0), 1], [blk, P], xy_layout)
     D = D if D is not None else torch.zeros(H, device=x.device)
     z_strides = z.stride()[:2] if z is not None else (0, 0)
     snapshot_row = layout.get("snapshot_row")
@@ -567,7 +571,7 @@ def launch_hopper_scan(
         layout["seq_first_chunk"],
         state_slots.shape[0],
         state_slots,
-        has_initial_state.to(torch.int8),
+        as_int8(has_initial_state),
         ssm_state,
         snapshot_row if snapshot_row is not None else layout["chunk_seq"],
         H,

@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 
 from ssmserve.kernels._common import (
+    cdiv,
     check_shape,
     launch_config,
     lazy_jit,
     next_pow2,
     process_dt,
     tl,
-    triton,
 )
 from ssmserve.kernels.stochastic_rounding import (
     ROUNDED_DTYPES,
@@ -426,7 +426,7 @@ def selective_state_update_triton(
     if _stochastic_rounding(ssm_state, rounding_offsets):
         rounding = 1 if ssm_state.dtype == torch.bfloat16 else 2
     zeros3 = (0, 0, 0)
-    grid = (triton.cdiv(P, block_p), H, Bt)
+    grid = (cdiv(P, block_p), H, Bt)
     _state_update_kernel[grid](
         ssm_state,
         x,
