@@ -12,13 +12,13 @@
 # still runs. A device call runs ten minutes at most: give each call sections that fit.
 # Rough wall times on one H200, model loading included (2026-12):
 #
-#   tests        GPU kernel, model and CUDA-graph tests                        ~4 min
+#   tests        GPU kernel, model and CUDA-graph tests (a call of its own)      ~5 min
 #   kernels      state update (Mamba1 regrouped and Mamba2) and MoE launch sizes ~3 min
 #   latency      batch-1 decode at 2k: Bamba-9B, Llama-3-8B, Mamba2-2.7B, Mamba-2.8B ~5 min
 #   prefill      one 2k prefill (Mamba2-2.7B, caching on / off); Bamba-9B TTFT 32k, 128k ~6 min
 #   step         engine step minus forward, Bamba-9B at 256 running; Bamba b484 decode profile ~5 min
 #   throughput   256 x 1k in / 1k out: Bamba-9B, Llama-3-8B, Jamba-Mini-1.7  ~8 min
-#   long         1k in / 8k out at each model's largest batch, fp32 and bf16 state ~9 min
+#   long         1k in / 8k out at each model's largest batch, fp32 and bf16 state ~6 min
 set -uo pipefail
 
 if [ $# -lt 2 ]; then
