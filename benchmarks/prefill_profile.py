@@ -2,9 +2,10 @@
 device is busy, by kernel.
 
 An engine is built from the engine flags. `--warmup` prompts of `--input-len` random
-tokens run first (compiles, graph captures, the allocator's pools); then one more is
-timed from `add_request` until `engine.step()` returns its first token (the TTFT), and
-one more runs under torch.profiler for the busy time: on CUDA the device time of its
+tokens run first (compiles, graph captures, the allocator's pools); then `--iters` more
+are timed, each from `add_request` until `engine.step()` returns its first token (the
+TTFT is their median: it moves by several ms between runs), and one more runs under
+torch.profiler for the busy time: on CUDA the device time of its
 kernels, on the CPU the self time of its ops. Every prompt is new and the prefix cache
 is emptied before each, so no prefill is shortened by a hit. The host share is
 1 - busy / TTFT: on CUDA the part of the wall time the device waits for the host; on the
@@ -39,6 +40,7 @@ from ssmserve.bench.common import (
     fmt,
     kernel_table,
     markdown_table,
+    percentile,
     random_token_prompts,
     run_metadata,
     write_json,
@@ -83,12 +85,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="model (default: the bundled one)")
     parser.add_argument("--input-len", type=int, default=2048, help="prompt tokens (2048)")
     parser.add_argument("--warmup", type=int, default=3, help="prompts run first (3)")
+    parser.add_argument("--iters", type=int, default=5, help="timed prompts, median (5)")
     parser.add_argument("--top", type=int, default=20, help="kernels listed (20)")
     parser.add_argument("--json", default=None, help="write the report here")
     add_engine_args(parser)
     args = parser.parse_args(argv)
-    if args.input_len < 1 or args.top < 1:
-        parser.error("--input-len and --top must be positive")
+    if args.input_len < 1 or args.top < 1 or args.iters < 1:
+        parser.error("--input-len, --top and --iters must be positive")
     if args.max_model_len is not None and args.max_model_len <= args.input_len:
         parser.error("--max-model-len must exceed --input-len (a token is generated)")
     if args.warmup < 0:
@@ -106,11 +109,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = engine.device
     vocab = engine.model_config.vocab_size
     prompts = iter(
-        random_token_prompts(args.warmup + 2, args.input_len, vocab, random.Random(args.seed))
+        random_token_prompts(
+            args.warmup + args.iters + 1, args.input_len, vocab, random.Random(args.seed)
+        )
     )
     for i in range(args.warmup):
         first_token(engine, f"warmup-{i}", next(prompts))
-    ttft_s, step_tokens = first_token(engine, "timed", next(prompts))
+    timed = [first_token(engine, f"timed-{i}", next(prompts)) for i in range(args.iters)]
+    samples = [seconds for seconds, _ in timed]
+    ttft_s, step_tokens = percentile(samples, 50), timed[0][1]
     rows, busy_us = kernel_table(lambda: first_token(engine, "profiled", next(prompts)), 1, device)
     busy_s = 1e-6 * busy_us
     peaks = device_peaks(device_name(device))
@@ -121,6 +128,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "input_len": args.input_len,
         "prefix_caching": config.enable_prefix_caching,
         "ttft_ms": 1e3 * ttft_s,
+        "ttft_samples_ms": [1e3 * seconds for seconds in samples],
         "busy_ms": 1e3 * busy_s,
         "kernels": round(sum(r["launches"] for r in rows)),
         "host_share": 1 - busy_s / ttft_s,
