@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ssmserve.bench.common import fmt, kernel_table, markdown_table, run_metadata, write_json
+from ssmserve.bench.common import kernel_rows_table, kernel_table, run_metadata, write_json
 from ssmserve.bench.floors import device_peaks, engine_costs, floor_s
 from ssmserve.config import EngineConfig, add_engine_args
 from ssmserve.engine.engine import LLMEngine
@@ -129,11 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["busy_us"] = busy
         what = "kernels" if device.type == "cuda" else "ops"
         print(f"busy {busy / 1e3:.3f} ms/step in {sum(r['launches'] for r in rows):.0f} {what}")
-        body = [
-            [r["kernel"], fmt(r["launches"], 1), fmt(r["us"], 1), f"{100 * r['share']:.1f}%"]
-            for r in rows[: args.top]
-        ]
-        print(markdown_table(["kernel", "per step", "us/step", "share"], body))
+        print(kernel_rows_table(rows, args.top, ["kernel", "per step", "us/step", "share"], 1))
     if args.json:
         write_json(args.json, report)
     engine.shutdown()

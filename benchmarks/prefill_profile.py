@@ -33,15 +33,13 @@ import sys
 import time
 from typing import Any
 
-import torch
-
 from ssmserve.bench.common import (
     device_name,
-    fmt,
+    kernel_rows_table,
     kernel_table,
-    markdown_table,
     percentile,
     random_token_prompts,
+    recorded_launches,
     run_metadata,
     write_json,
 )
@@ -56,28 +54,17 @@ from ssmserve.sampling_params import SamplingParams
 def first_token(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[float, list[int]]:
     """Run one prompt to its first token: the seconds from `add_request` until a step
     returns it, and the tokens of each step launched meanwhile."""
-    executor = engine.executor
-    execute = executor.execute
-    launched: list[torch.Tensor] = []
-
-    def recording_execute(packed: torch.Tensor, tokens: torch.Tensor | None = None):
-        launched.append(packed)  # a reference: read after the timing
-        return execute(packed, tokens)
-
     engine.reset_prefix_cache()
     params = SamplingParams(max_tokens=1, temperature=1.0, ignore_eos=True)
-    executor.execute = recording_execute
-    try:
+    with recorded_launches(engine) as launched:
         start = time.perf_counter()
         engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
         while not any(o.outputs[0].token_ids for o in engine.step()):
             pass
         seconds = time.perf_counter() - start
-    finally:
-        del executor.execute  # the instance attribute: the class's method again
     while engine.has_unfinished_requests():
         engine.step()
-    return seconds, [int(packed[0]) for packed in launched]  # the header's token count
+    return seconds, [int(packed[0]) for packed, _ in launched]  # the header's token count
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -146,11 +133,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{report['kernels']} {what} (host {100 * report['host_share']:.0f}%)"
         + ("" if floor is None else f", floor {1e3 * floor:.2f} ms ({ttft_s / floor:.2f}x)")
     )
-    body = [
-        [r["kernel"], fmt(r["launches"], 0), fmt(r["us"], 1), f"{100 * r['share']:.1f}%"]
-        for r in rows[: args.top]
-    ]
-    print(markdown_table([what[:-1], "launches", "us", "share of busy"], body))
+    print(kernel_rows_table(rows, args.top, [what[:-1], "launches", "us", "share of busy"], 0))
     if args.json:
         write_json(args.json, report)
     engine.shutdown()

@@ -46,6 +46,7 @@ from ssmserve.bench.common import (
     markdown_table,
     percentile,
     random_token_prompts,
+    recorded_launches,
     run_metadata,
     write_json,
 )
@@ -67,29 +68,24 @@ def timed_steps(
     """Step the engine until its requests finish. Per `engine.step()` call: its seconds,
     the tokens it generated, and the packed inputs (and fill tokens) of the step it
     launched, by call index."""
-    executor = engine.executor
-    execute = executor.execute
     launched: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     seconds: list[float] = []
     tokens: list[int] = []
-
-    def recording_execute(packed: torch.Tensor, fill_tokens: torch.Tensor | None = None):
-        launched[len(seconds)] = (packed, fill_tokens)  # a reference: nothing read here
-        return execute(packed, fill_tokens)
-
-    executor.execute = recording_execute
-    try:
-        with tqdm(desc="steps", unit="step", disable=not progress) as bar:
-            generated = engine.stats()["generation_tokens_total"]
-            while engine.has_unfinished_requests():
-                start = time.perf_counter()
-                engine.step()
-                seconds.append(time.perf_counter() - start)
-                before, generated = generated, engine.stats()["generation_tokens_total"]
-                tokens.append(generated - before)
-                bar.update()
-    finally:
-        del executor.execute  # the instance attribute: the class's method again
+    with (
+        recorded_launches(engine) as launches,
+        tqdm(desc="steps", unit="step", disable=not progress) as bar,
+    ):
+        generated = engine.stats()["generation_tokens_total"]
+        while engine.has_unfinished_requests():
+            before_launches = len(launches)
+            start = time.perf_counter()
+            engine.step()
+            seconds.append(time.perf_counter() - start)
+            before, generated = generated, engine.stats()["generation_tokens_total"]
+            tokens.append(generated - before)
+            if len(launches) > before_launches:
+                launched[len(seconds) - 1] = launches[before_launches]
+            bar.update()
     return seconds, tokens, launched
 
 

@@ -4,6 +4,7 @@ per-kernel profiles."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import os
@@ -13,7 +14,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import ssmserve
@@ -164,3 +165,38 @@ def kernel_table(
         for name, (count, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])
     ]
     return rows, busy
+
+
+def kernel_rows_table(
+    rows: list[dict[str, Any]], top: int, header: Sequence[str], launch_digits: int
+) -> str:
+    """The first `top` rows of `kernel_table` as Markdown: name, launches, us, share."""
+    body = [
+        [
+            r["kernel"],
+            fmt(r["launches"], launch_digits),
+            fmt(r["us"], 1),
+            f"{100 * r['share']:.1f}%",
+        ]
+        for r in rows[:top]
+    ]
+    return markdown_table(header, body)
+
+
+@contextlib.contextmanager
+def recorded_launches(engine: Any) -> Iterator[list[tuple[Any, Any]]]:
+    """The (packed inputs, fill tokens) of every step the engine launches inside the
+    block, in order: references, to be read after whatever is being timed."""
+    executor = engine.executor
+    execute = executor.execute
+    launched: list[tuple[Any, Any]] = []
+
+    def recording_execute(packed, tokens=None):
+        launched.append((packed, tokens))
+        return execute(packed, tokens)
+
+    executor.execute = recording_execute
+    try:
+        yield launched
+    finally:
+        del executor.execute  # the instance attribute: the class's method again
