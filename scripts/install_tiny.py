@@ -51,6 +51,7 @@ NAME = "ssmserve-bamba-tiny"
 INSTALLED_FILES = ("model.safetensors", "config.json", "generation_config.json")
 MAX_BUNDLED_WEIGHT_BYTES = 25_000_000
 CHAT_MAX_TOKENS = 256
+README_GENERATE_PROMPT = "def is_prime(n):"
 README_CHAT_PROMPT = "Write a Python function `is_prime(n)` that returns True if n is a prime."
 # Sampling defaults of the installed generation_config.json: what `ssmserve serve` and
 # LLM.get_default_sampling_params() use for fields a request leaves unset. The penalty
@@ -163,7 +164,7 @@ def samples(model: Path, chat_prompt: list[dict]) -> dict:
 
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     generate = subprocess.run(
-        [sys.executable, "-m", "ssmserve.cli", "generate", "def is_prime(n):"],
+        [sys.executable, "-m", "ssmserve.cli", "generate", README_GENERATE_PROMPT],
         env=env,
         capture_output=True,
         text=True,

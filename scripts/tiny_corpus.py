@@ -62,34 +62,34 @@ HELDOUT_PACKAGES: tuple[str, ...] = ("anyio", "click", "httpx")
 # of held-out packages (httpx2 forks httpx; typer vendors click) and packages that
 # are mostly data tables (idna, wcwidth).
 TRAIN_PACKAGES: dict[str, int] = {
-    "torch": 4_000_000,
-    "transformers": 3_000_000,
-    "numpy": 3_000_000,
-    "sympy": 2_000_000,
-    "scipy": 2_000_000,
-    "networkx": 2_000_000,
-    "huggingface_hub": 1_500_000,
+    "torch": 12_000_000,
+    "transformers": 12_000_000,
+    "numpy": 6_000_000,
+    "sympy": 7_000_000,
+    "scipy": 7_000_000,
+    "networkx": 5_000_000,
+    "huggingface_hub": 2_500_000,
     "pip": 1_200_000,
     "setuptools": 1_200_000,
-    "IPython": 1_200_000,
+    "IPython": 2_400_000,
     "pydantic": 1_200_000,
     "_pytest": 1_200_000,
     "trio": 1_200_000,
     "rich": 1_200_000,
-    "moto": 1_000_000,
+    "moto": 4_000_000,
     "prompt_toolkit": 1_000_000,
-    "libcst": 1_000_000,
-    "mpmath": 1_000_000,
+    "libcst": 2_000_000,
+    "mpmath": 1_900_000,
     "triton": 1_000_000,
     "fastapi": 900_000,
     "torchgen": 800_000,
-    "pygments": 800_000,
+    "pygments": 2_000_000,
     "jedi": 800_000,
     "fsspec": 800_000,
     "graphql": 700_000,
     "werkzeug": 700_000,
     "botocore": 600_000,
-    "openai": 600_000,
+    "openai": 3_000_000,
     "filelock": 600_000,
     "jinja2": 500_000,
     "docker": 500_000,
@@ -139,6 +139,16 @@ TRAIN_PACKAGES: dict[str, int] = {
     "jsonpointer": 50_000,
     "dotenv": 100_000,
     "responses": 150_000,
+    # Added 2026-12-05, so that a longer run sees fewer epochs of the same stream.
+    "matplotlib": 6_000_000,
+    "fontTools": 3_500_000,
+    "cfnlint": 2_500_000,
+    "PIL": 1_000_000,
+    "awscli": 1_000_000,
+    "samtranslator": 1_000_000,
+    "regex": 400_000,
+    "cffi": 300_000,
+    "jsonpath_ng": 250_000,
 }
 
 PERMISSIVE = re.compile(r"\b(MIT|BSD|Apache|ISC|PSF|Python Software Foundation|0BSD)\b")
@@ -305,6 +315,25 @@ def package_documents(name: str, cap: int | None, root: Path | None = None) -> d
         docs["site-packages/" + path.relative_to(root).as_posix()] = text
         total += size
     return dict(sorted(docs.items()))
+
+
+# ---------------------------------------------------------------- README prompts
+
+# NOTE: the README's own prompts (`ssmserve generate "def is_prime(n):"` and the chat
+# example of scripts/install_tiny.py, README_CHAT_PROMPT). A training file that holds
+# one of these is left out, so that the README's samples answer prompts the model
+# never saw (flask's docs, for one, define an `is_prime(n)` template filter).
+README_PROMPT_MARKERS: tuple[str, ...] = (
+    "def is_prime(",
+    "is_prime(n)",
+    "if n is a prime",
+)
+
+
+def readme_prompt_filter(train: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Training documents that hold none of README_PROMPT_MARKERS, and the paths left out."""
+    kept = {p: t for p, t in train.items() if not any(m in t for m in README_PROMPT_MARKERS)}
+    return kept, sorted(set(train) - set(kept))
 
 
 # -------------------------------------------------------------------- leakage

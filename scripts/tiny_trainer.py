@@ -38,10 +38,18 @@ MODEL_NAMES = {
 }
 # Per-family peak learning rate: the hybrid's attention layers want a lower one.
 PEAK_LR = {"bamba": 2e-3, "mamba2": 3e-3, "mamba": 3e-3}
-# Per-family (sequence length, batch size), 64K tokens a step each. transformers'
-# Mamba1 path without mamba_ssm scans token by token, so its step time grows with
-# the sequence length and hardly with the batch: it trains on shorter sequences.
-BATCH_SHAPE = {"bamba": (1024, 64), "mamba2": (1024, 64), "mamba": (512, 128)}
+# Per-family (sequence length, batch size). transformers' Mamba1 path without
+# mamba_ssm scans token by token, so its step time grows with the sequence length and
+# hardly with the batch: it trains on shorter sequences. The Bamba takes 128K tokens a
+# step: at width 256 a step of 64K left the GPU mostly idle (420K tokens/s on an H200).
+# More would not fit an H100 eager: one eager step took about 2.1 GB a window of 1024
+# (peak RSS, bf16 autocast on CPU), so 128 windows take about 67 GB.
+BATCH_SHAPE = {"bamba": (1024, 128), "mamba2": (1024, 64), "mamba": (512, 128)}
+# PEAK_LR was set at 64K tokens a step; a larger step scales it by the square root of
+# the ratio (the usual rule for Adam), but never above MAX_SCALED_LR: there was no
+# device time for a sweep (the Bamba's 128K tokens a step give 2.8e-3).
+REFERENCE_STEP_TOKENS = 65536
+MAX_SCALED_LR = 3e-3
 TRAIN_TOKENS_FILE = "train_tokens.u16.xz"
 
 
@@ -66,7 +74,14 @@ class TrainOptions:
     eval_max_docs: int | None = None
     chat_eval_prompts: int = 64
     chat_max_new_tokens: int = 256
+    # Greedy chat replies are scored at each of these penalties; the first is "chat".
+    chat_repetition_penalties: tuple[float, ...] = (1.0,)
+    readme_samples: bool = False
     threads: int | None = None
+    # "auto": on CUDA, time eager steps, then torch.compile'd ones, and keep the faster
+    # (eager on CPU); "on": compiled from the first step, a failure fails the run; "off".
+    compile: str = "auto"
+    probe_steps: int = 12
 
 
 def build_model(family: str, vocab_size: int, eos_id: int):
@@ -161,6 +176,12 @@ def lr_at(step: int, progress: float, warmup: int, peak: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def scaled_peak_lr(family: str, tokens_per_step: int) -> float:
+    """PEAK_LR scaled by sqrt(tokens a step / REFERENCE_STEP_TOKENS), within MAX_SCALED_LR."""
+    scale = math.sqrt(tokens_per_step / REFERENCE_STEP_TOKENS)
+    return min(PEAK_LR[family] * scale, max(MAX_SCALED_LR, PEAK_LR[family]))
+
+
 def write_train_tokens(path: Path, tokens: np.ndarray) -> None:
     """The training stream as xz-compressed little-endian uint16 (a quarter of the raw size)."""
     path.write_bytes(lzma.compress(tokens.astype("<u2").tobytes(), preset=6))
@@ -229,7 +250,13 @@ def subset_loss(model, windows: list[list[int]], autocast) -> float:
 
 
 @torch.no_grad()
-def chat_stop_fraction(model, tokenizer, records: list[dict], max_new_tokens: int = 256) -> dict:
+def chat_stop_fraction(
+    model,
+    tokenizer,
+    records: list[dict],
+    max_new_tokens: int = 256,
+    repetition_penalty: float = 1.0,
+) -> dict:
     """Greedy replies to held-out chat prompts (left-padded batch): how many end with EOS.
 
     Padding is exact here: transformers zeroes padded positions before the
@@ -250,6 +277,7 @@ def chat_stop_fraction(model, tokenizer, records: list[dict], max_new_tokens: in
         **batch.to(device),
         max_new_tokens=max_new_tokens,
         do_sample=False,
+        repetition_penalty=repetition_penalty,
         eos_token_id=eos,
         pad_token_id=eos,
     )
@@ -265,9 +293,49 @@ def chat_stop_fraction(model, tokenizer, records: list[dict], max_new_tokens: in
     return {
         "num_prompts": len(records),
         "max_new_tokens": max_new_tokens,
+        "repetition_penalty": repetition_penalty,
         "stop_fraction": sum(stopped) / max(1, len(records)),
         "samples": samples,
     }
+
+
+@torch.no_grad()
+def readme_samples(model, tokenizer, repetition_penalty: float, max_new_tokens: int) -> dict:
+    """Greedy output for the README's two prompts (install_tiny's), with the given penalty.
+
+    What install_tiny.py later records through ssmserve (`ssmserve generate` writes 64
+    tokens); here through transformers, so a run can be judged before it is installed.
+    """
+    import install_tiny
+
+    device = next(model.parameters()).device
+    eos = tokenizer.eos_token_id
+    messages = [{"role": "user", "content": install_tiny.README_CHAT_PROMPT}]
+    prompts = {
+        "generate": (install_tiny.README_GENERATE_PROMPT, 64),
+        "chat": (
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+            max_new_tokens,
+        ),
+    }
+    out = {"repetition_penalty": repetition_penalty}
+    for name, (text, limit) in prompts.items():
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        generated = model.generate(
+            ids.to(device),
+            max_new_tokens=limit,
+            do_sample=False,
+            repetition_penalty=repetition_penalty,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )[0, ids.shape[1] :].tolist()
+        out[name] = {
+            "prompt": text,
+            "text": tokenizer.decode(generated, skip_special_tokens=True),
+            "tokens": len(generated),
+            "stopped": eos in generated,
+        }
+    return out
 
 
 def final_evaluation(out: Path, tokenizer, options: TrainOptions, seq_len: int) -> dict:
@@ -292,22 +360,148 @@ def final_evaluation(out: Path, tokenizer, options: TrainOptions, seq_len: int) 
             figures.num_tokens,
         )
     records = json.loads((options.data_dir / "chat_heldout.json").read_text(encoding="utf-8"))
-    chat = chat_stop_fraction(
-        model, tokenizer, records[: options.chat_eval_prompts], options.chat_max_new_tokens
-    )
-    logger.info(
-        "chat: %.0f%% of %d held-out prompts stop with EOS within %d tokens",
-        100 * chat["stop_fraction"],
-        chat["num_prompts"],
-        chat["max_new_tokens"],
-    )
-    for sample in chat["samples"]:
-        logger.info("chat sample: %r -> %r", sample["prompt"], sample["reply"])
-    results["chat"] = chat
+    by_penalty = {}
+    for penalty in options.chat_repetition_penalties:
+        chat = chat_stop_fraction(
+            model,
+            tokenizer,
+            records[: options.chat_eval_prompts],
+            options.chat_max_new_tokens,
+            repetition_penalty=penalty,
+        )
+        logger.info(
+            "chat (repetition penalty %g): %.1f%% of %d held-out prompts stop with EOS "
+            "within %d tokens",
+            penalty,
+            100 * chat["stop_fraction"],
+            chat["num_prompts"],
+            chat["max_new_tokens"],
+        )
+        for sample in chat["samples"]:
+            logger.info("chat sample: %r -> %r", sample["prompt"], sample["reply"])
+        by_penalty[str(penalty)] = chat
+    results["chat"] = by_penalty[str(options.chat_repetition_penalties[0])]
+    if len(by_penalty) > 1:
+        results["chat_by_repetition_penalty"] = by_penalty
+    if options.readme_samples:
+        import install_tiny
+
+        penalty = install_tiny.GENERATION_DEFAULTS["repetition_penalty"]
+        results["readme_samples"] = readme_samples(
+            model, tokenizer, penalty, options.chat_max_new_tokens
+        )
+        for name in ("generate", "chat"):
+            sample = results["readme_samples"][name]
+            logger.info("README %s (penalty %g): %r", name, penalty, sample["text"])
     return results
 
 
 # ------------------------------------------------------------------------ train
+
+
+def loss_function(model, device_type: str):
+    """rows [batch, seq + 1] -> mean next-token NLL, bf16 autocast on CUDA."""
+
+    def causal_lm_loss(rows: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
+            logits = model(input_ids=rows[:, :-1], use_cache=False).logits
+            return torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1)
+            )
+
+    return causal_lm_loss
+
+
+class StepRunner:
+    """One optimizer step on a batch, through the eager model or a torch.compile'd loss.
+
+    ``mode`` "off" runs eager. "on" runs compiled from the first step, and a compile
+    error fails the run. "auto" (eager on CPU) runs the first ``probe_steps`` steps
+    eager and the next ``probe_steps`` compiled, times each set (synchronised, after
+    ``PROBE_WARMUP`` untimed steps; the compile itself is timed apart), and keeps the
+    faster one for the rest of the run; a compile error there falls back to eager. The
+    probe steps are training steps like any other. ``record`` (the report's "compile")
+    holds what was measured and chosen; ``current`` names the function in use.
+    """
+
+    PROBE_WARMUP = 2
+
+    def __init__(self, model, optimizer, device: torch.device, mode: str, probe_steps: int):
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"compile mode {mode!r}: choose auto, on or off")
+        if probe_steps <= self.PROBE_WARMUP:
+            raise ValueError(f"probe_steps must exceed {self.PROBE_WARMUP}")
+        self.record: dict = {"mode": mode}
+        if mode == "auto" and device.type != "cuda":
+            mode = "off"
+            self.record["note"] = "eager: auto compiles on CUDA only"
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.mode, self.probe_steps = mode, probe_steps
+        self.eager = loss_function(model, device.type)
+        self.compiled = torch.compile(self.eager) if mode != "off" else None
+        self.current = "compiled" if mode == "on" else "eager"
+        self.stage = {"auto": "probe", "on": "probe", "off": "done"}[mode]
+        self.stage_steps = 0
+        self.stage_start = 0.0
+        if self.stage == "done":
+            self.record["chosen"] = "eager"
+
+    def _sync(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.monotonic()
+
+    def _run(self, fn, rows: torch.Tensor) -> torch.Tensor:
+        loss = fn(rows)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        return loss.detach()
+
+    def _compile_failed(self, error: Exception, rows: torch.Tensor) -> torch.Tensor:
+        if self.mode == "on":
+            raise error
+        self.record["error"] = f"{type(error).__name__}: {error}"[:2000]
+        self.record["chosen"] = "eager"
+        logger.error("torch.compile failed; training on eager: %s", self.record["error"])
+        self.optimizer.zero_grad(set_to_none=True)
+        self.current, self.stage = "eager", "done"
+        return self._run(self.eager, rows)
+
+    def step(self, rows: torch.Tensor, tokens: int) -> torch.Tensor:
+        fn = self.compiled if self.current == "compiled" else self.eager
+        if self.stage == "done":
+            return self._run(fn, rows)
+        if self.stage_steps == self.PROBE_WARMUP:
+            self.stage_start = self._sync()
+        if self.current == "compiled" and self.stage_steps < self.PROBE_WARMUP:
+            # The first call traces and compiles forward and backward: timed on its own.
+            start = self._sync()
+            try:
+                loss = self._run(fn, rows)
+            except Exception as error:  # noqa: BLE001 - recorded, then eager (mode auto)
+                return self._compile_failed(error, rows)
+            seconds = round(self._sync() - start, 2)
+            self.record.setdefault("compiled_warmup_step_seconds", []).append(seconds)
+            logger.info("compiled step %d took %.1f s", self.stage_steps + 1, seconds)
+        else:
+            loss = self._run(fn, rows)
+        self.stage_steps += 1
+        if self.stage_steps < self.probe_steps:
+            return loss
+        rate = (self.probe_steps - self.PROBE_WARMUP) * tokens / (self._sync() - self.stage_start)
+        self.record[f"{self.current}_tokens_per_second"] = round(rate)
+        logger.info("%s steps: %.0f tokens/s", self.current, rate)
+        if self.current == "eager" and self.compiled is not None:
+            self.current, self.stage_steps = "compiled", 0
+            return loss
+        if self.mode == "auto" and rate < self.record["eager_tokens_per_second"]:
+            self.current = "eager"
+        self.record["chosen"] = self.current
+        self.stage = "done"
+        logger.info("training on with the %s step function", self.current)
+        return loss
 
 
 def train(options: TrainOptions) -> dict:
@@ -346,7 +540,10 @@ def _train(options: TrainOptions) -> dict:
         options.minutes,
     )
 
-    peak_lr = options.lr or PEAK_LR[family]
+    peak_lr = options.lr or scaled_peak_lr(family, batch_size * seq_len)
+    if device.type == "cuda":
+        # The scan's float32 contractions (fast_ssd) on TF32 tensor cores.
+        torch.set_float32_matmul_precision("high")
     optimizer = torch.optim.AdamW(
         param_groups(model, 0.1),
         lr=peak_lr,
@@ -386,10 +583,13 @@ def _train(options: TrainOptions) -> dict:
     }
     data_summary = report["data_meta"]
     report["data_meta"] = {k: data_summary[k] for k in ("python", "sources", "num_train_tokens")}
+    steps = StepRunner(model, optimizer, device, options.compile, options.probe_steps)
+    report["compile"] = steps.record
 
     loop_start = time.monotonic()
     deadline = loop_start + 60.0 * options.minutes
     last_log = last_save = loop_start
+    last_log_step = 0
     step = 0
     loss = torch.zeros((), device=device)
     model.train()
@@ -411,22 +611,16 @@ def _train(options: TrainOptions) -> dict:
             lr = lr_at(step, progress, options.warmup_steps, peak_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            with autocast:
-                logits = model(input_ids=rows[:, :-1], use_cache=False).logits
-                loss = torch.nn.functional.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1)
-                )
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
+            loss = steps.step(rows, batch_size * seq_len)
             step += 1
             now = time.monotonic()
             due_log = now - last_log >= options.log_every_seconds or step == 1
             due_save = now - last_save >= 60.0 * options.save_every_minutes
             if not (due_log or due_save):
                 continue
+            # NOTE: the loop's one host sync; the GPU runs ahead of it in between.
             value = loss.item()
+            now = time.monotonic()
             if not math.isfinite(value):
                 # NOTE: the last checkpoint on disk is the last good one; never overwrite it.
                 report["status"] = f"stopped: loss {value} at step {step}"
@@ -439,6 +633,10 @@ def _train(options: TrainOptions) -> dict:
                 "loss": round(value, 4),
                 "lr": lr,
                 "tokens_per_second": round(step * batch_size * seq_len / elapsed),
+                "recent_tokens_per_second": round(
+                    (step - last_log_step) * batch_size * seq_len / max(1e-9, now - last_log)
+                ),
+                "step_function": steps.current,
             }
             if due_save:
                 for name, windows in progress_windows.items():
@@ -448,21 +646,23 @@ def _train(options: TrainOptions) -> dict:
             report["tokens_seen"] = step * batch_size * seq_len
             report["train_seconds"] = round(elapsed, 1)
             logger.info(
-                "[%s] step %d loss %.4f lr %.2e %.0f tok/s %.0fs (%.0fs left)%s",
+                "[%s] step %d loss %.4f lr %.2e %.0f tok/s (%.0f recent, %s) %.0fs (%.0fs left)%s",
                 family,
                 step,
                 value,
                 lr,
                 entry["tokens_per_second"],
+                entry["recent_tokens_per_second"],
+                steps.current,
                 elapsed,
                 max(0.0, deadline - now),
                 "".join(f" {k} {v}" for k, v in entry.items() if k.endswith("_loss")),
             )
-            last_log = now
             if due_save:
                 save_checkpoint(model, tokenizer, out, report, options.weights_only)
-                last_save = time.monotonic()
                 logger.info("[%s] checkpoint at step %d in %s", family, step, out)
+                last_save = time.monotonic()
+            last_log, last_log_step = time.monotonic(), step
     except Exception:  # noqa: BLE001 - the run's last checkpoint must survive any failure
         report["status"] = "failed: " + traceback.format_exc(limit=3)
         logger.exception("[%s] training failed at step %d; the last checkpoint stays", family, step)
@@ -477,7 +677,7 @@ def _train(options: TrainOptions) -> dict:
         report["final_train_loss"] = loss.item()
         save_checkpoint(model, tokenizer, out, report, options.weights_only)
         logger.info("[%s] saved step %d to %s", family, step, out)
-    del model, optimizer
+    del model, optimizer, steps
     try:
         report["heldout"] = final_evaluation(out, tokenizer, options, seq_len)
     except Exception:  # noqa: BLE001 - the weights are saved; record why the figures are missing

@@ -137,6 +137,9 @@ def collect_corpus(max_train_files: int | None) -> dict:
     for path, shared in sorted(dropped.items()):
         why = "duplicate" if shared < 0 else f"{shared} line runs shared with held-out code"
         logger.info("left out %s: %s", path, why)
+    train, readme_dropped = tiny_corpus.readme_prompt_filter(train)
+    for path in readme_dropped:
+        logger.info("left out %s: holds a README prompt", path)
     return {
         "train": train,
         "heldout": heldout,
@@ -144,6 +147,7 @@ def collect_corpus(max_train_files: int | None) -> dict:
         "packages": packages,
         "heldout_packages": heldout_packages,
         "dropped": dropped,
+        "readme_dropped": readme_dropped,
     }
 
 
@@ -245,6 +249,7 @@ def prepare(data_dir: Path, new_tokenizer: bool, max_train_files: int | None, se
         "heldout_chat_prompts": len(records),
         "train_packages": corpus["packages"],
         "left_out_for_leakage": {k: v for k, v in sorted(corpus["dropped"].items()) if v >= 0},
+        "left_out_for_readme_prompts": corpus["readme_dropped"],
         "sources": {
             "stdlib": {
                 "files": sum(is_stdlib),
@@ -386,6 +391,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     t.add_argument("--eval-max-docs", type=int, default=None, help="smoke tests only")
     t.add_argument("--chat-eval-prompts", type=int, default=64)
+    t.add_argument(
+        "--chat-repetition-penalty",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        help="score the greedy chat replies at each of these (the first is the report's chat)",
+    )
+    t.add_argument(
+        "--readme-samples",
+        action="store_true",
+        help="also record greedy output for the README's prompts (its default penalty)",
+    )
+    t.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="auto: on CUDA, time eager steps and torch.compile'd ones and keep the faster, "
+        "falling back to eager if compiling fails (the report's 'compile' says what happened)",
+    )
+    t.add_argument("--probe-steps", type=int, default=12, help="steps timed for each (auto)")
     t.add_argument("--threads", type=int, default=None, help="CPU threads")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
@@ -417,6 +442,10 @@ def main(argv: list[str] | None = None) -> int:
             weights_only=args.weights_only,
             eval_max_docs=args.eval_max_docs,
             chat_eval_prompts=args.chat_eval_prompts,
+            chat_repetition_penalties=tuple(args.chat_repetition_penalty),
+            readme_samples=args.readme_samples,
+            compile=args.compile,
+            probe_steps=args.probe_steps,
             threads=args.threads,
         )
         reports.append(tiny_trainer.train(options))
