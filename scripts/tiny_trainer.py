@@ -672,6 +672,8 @@ def _train(options: TrainOptions) -> dict:
     report["steps"] = step
     report["tokens_seen"] = step * batch_size * seq_len
     report["train_seconds"] = round(time.monotonic() - loop_start, 1)
+    if device.type == "cuda":
+        report["cuda_max_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
     if report["status"] == "training":
         report["status"] = "done"
         report["final_train_loss"] = loss.item()
