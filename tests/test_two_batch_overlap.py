@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ssmserve.config import EngineConfig
 from ssmserve.engine.cuda_graphs import HalfBatchOverlap, _Turns
 from ssmserve.engine.engine import LLMEngine
-from ssmserve.config import EngineConfig
 from ssmserve.layers.batch import ForwardBatch, StepInputs
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -102,8 +102,12 @@ def test_turns_interleave_one_branch_apart(family_checkpoint, monkeypatch):
     monkeypatch.setattr(_Turns, "branch_end", recording)
     engine = LLMEngine(
         EngineConfig(
-            model=family_checkpoint("bamba"), device="cpu", dtype="float32", max_num_seqs=4,
-            cache_memory=2**24, enable_prefix_caching=False,
+            model=family_checkpoint("bamba"),
+            device="cpu",
+            dtype="float32",
+            max_num_seqs=4,
+            cache_memory=2**24,
+            enable_prefix_caching=False,
         )  # fmt: skip
     )
     try:
@@ -123,8 +127,12 @@ def test_turns_interleave_one_branch_apart(family_checkpoint, monkeypatch):
 def test_an_error_in_either_half_reaches_the_caller(family_checkpoint, monkeypatch):
     engine = LLMEngine(
         EngineConfig(
-            model=family_checkpoint("bamba"), device="cpu", dtype="float32", max_num_seqs=4,
-            cache_memory=2**24, enable_prefix_caching=False,
+            model=family_checkpoint("bamba"),
+            device="cpu",
+            dtype="float32",
+            max_num_seqs=4,
+            cache_memory=2**24,
+            enable_prefix_caching=False,
         )  # fmt: skip
     )
     try:
