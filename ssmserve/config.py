@@ -228,11 +228,6 @@ class EngineConfig:
         "plan each step while the previous one runs and build outputs while the next one "
         "runs (--no-overlap-steps runs steps one after another)",
     )
-    two_batch_overlap_min_batch: int | None = _flag(
-        None,
-        "capture decode batches of at least this many requests as two halves on two CUDA "
-        "streams, one half's MLP beside the other's mixer (default: off; docs/kernels.md)",
-    )
     tensor_parallel_size: int = _flag(
         1, "GPUs (or CPU processes) the model is split across", aliases=("-tp",)
     )
@@ -314,11 +309,6 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
-        if self.two_batch_overlap_min_batch is not None and self.two_batch_overlap_min_batch < 2:
-            raise ValueError(
-                "two_batch_overlap_min_batch must be at least 2 (each half needs a request), "
-                f"got {self.two_batch_overlap_min_batch}"
-            )
         if self.cache_memory is not None and self.cache_memory < 1:
             raise ValueError(f"cache_memory must be a positive byte count, got {self.cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -164,25 +164,3 @@ def test_stochastic_rounding_under_graphs_equals_eager(checkpoint, variant):
     for a, b in zip(logprobs(eager), logprobs(graphed)):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3
     assert logprobs(graphed) != logprobs(nearest)
-
-
-@pytest.mark.parametrize("variant", ["bamba", "mamba2", "llama"])
-def test_two_batch_overlap_graphs_equal_plain_graphs(checkpoint, variant):
-    """Batches captured as two halves on two streams decode as the plain graphs do."""
-    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 7, 30, 12, 5, 9, 2, 16)]
-    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=0)
-    kwargs = dict(device="cuda", dtype="float32", max_num_seqs=8, cache_memory=2**28)
-    plain = LLM(checkpoint(variant), **kwargs).generate(prompts, params)
-    llm = LLM(checkpoint(variant), two_batch_overlap_min_batch=4, **kwargs)
-    graphs = llm.llm_engine.executor.runner.graphs
-    assert graphs.overlapped == {4, 8}
-    overlapped = llm.generate(prompts, params)
-    for a, b in zip(plain, overlapped):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for i, t in enumerate(a.outputs[0].token_ids):
-            assert (
-                abs(a.outputs[0].logprobs[i][t].logprob - b.outputs[0].logprobs[i][t].logprob)
-                < 1e-3
-            )
-    stats = llm.stats()
-    assert stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0

@@ -155,12 +155,7 @@ class ModelRunner:
         from ssmserve.engine.cuda_graphs import DecodeGraphs
 
         max_blocks = -(-plan.max_tokens_per_request // self.block_size)
-        overlap = self.config.two_batch_overlap_min_batch
-        if overlap is not None and self.tp.size > 1:
-            # Two streams would issue each half's collectives in an order NCCL does not see.
-            logger.warning("two-batch overlap runs on one GPU only; off under tensor parallelism")
-            overlap = None
-        self.graphs = DecodeGraphs(self, plan.max_num_seqs, max_blocks, overlap)
+        self.graphs = DecodeGraphs(self, plan.max_num_seqs, max_blocks)
         self.graphs.capture()
 
     # -- the step -------------------------------------------------------------------

@@ -17,7 +17,6 @@ write (`ForwardBatch.snapshots_p`), so every rank does the same to its own shard
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -190,10 +189,6 @@ class ForwardBatch:
     # Input tokens still to fill in from the step before's sampled ids on the device:
     # (token indices, sampled rows); None when there are none.
     fills: tuple[torch.Tensor, torch.Tensor] | None = None
-    # Called at the end of every branch of a decoder block (a mixer, an MLP): where the two
-    # halves of a decode batch captured on two streams take turns (engine/cuda_graphs.py,
-    # `HalfBatchOverlap`). None: the forward runs straight through.
-    at_branch_end: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     # conv width -> the step's conv snapshot sources, made by the first layer that asks.
     _conv_snapshots: dict[int, ConvSnapshotSources] = field(
@@ -227,32 +222,19 @@ class ForwardBatch:
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
 
-    def branch_end(self) -> None:
-        """Mark the end of one branch of a decoder block (its mixer, its MLP): a point where
-        the two half-batches of an overlapped decode graph hand over to each other."""
-        if self.at_branch_end is not None:
-            self.at_branch_end()
-
     def decode_prefix(self, n: int) -> ForwardBatch:
         """Views of the first `n` sequences of a decode-only batch (one token each), with
         no host copies: what a CUDA graph of batch size n is captured on."""
-        return self.decode_rows(0, n)
-
-    def decode_rows(self, start: int, stop: int) -> ForwardBatch:
-        """Views of sequences [start, stop) of a decode-only batch (one token each), with no
-        host copies. NOTE: a decode-only batch's query_start_loc is 0, 1, ..., n, so its
-        first stop - start + 1 entries are the rows' own offsets."""
-        assert self.num_decodes == self.num_seqs == self.num_tokens >= stop > start >= 0
-        n = stop - start
+        assert self.num_decodes == self.num_seqs == self.num_tokens >= n
         return ForwardBatch(
-            input_ids=self.input_ids[start:stop],
-            positions=self.positions[start:stop],
+            input_ids=self.input_ids[:n],
+            positions=self.positions[:n],
             query_start_loc=self.query_start_loc[: n + 1],
-            seq_lens=self.seq_lens[start:stop],
-            state_slots=self.state_slots[start:stop],
-            has_initial_state=self.has_initial_state[start:stop],
-            block_tables=self.block_tables[start:stop],
-            slot_mapping=self.slot_mapping[start:stop],
+            seq_lens=self.seq_lens[:n],
+            state_slots=self.state_slots[:n],
+            has_initial_state=self.has_initial_state[:n],
+            block_tables=self.block_tables[:n],
+            slot_mapping=self.slot_mapping[:n],
             logits_indices=self.logits_indices[:n],
             num_decodes=n,
             query_start_loc_p=self.query_start_loc_p,

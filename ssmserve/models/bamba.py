@@ -57,7 +57,6 @@ class BambaDecoderLayer(PreNormBlock):
         else:
             out = self.mamba(x, batch, cache.state)
         x, hidden = self.pre_ff_layernorm.add_forward(out, hidden)
-        batch.branch_end()
         return self.feed_forward(x), hidden
 
 

@@ -160,9 +160,7 @@ class CausalLM(nn.Module):
         self, hidden: torch.Tensor, batch: ForwardBatch, caches: list[LayerCache]
     ) -> torch.Tensor:
         """This stage's decoder blocks over `hidden`, in order; a PreNormBlock's last
-        residual add is fused into the next PreNormBlock's norm. Each block's end is a
-        branch end (`ForwardBatch.branch_end`), and so is the end of each branch inside
-        a block that has several (a family's `forward_residual` marks those)."""
+        residual add is fused into the next PreNormBlock's norm."""
         layers = self.decoder_layers()
         out = None  # the last block's branch output, not yet added to `hidden`
         for i in self.stage.layers:
@@ -171,13 +169,12 @@ class CausalLM(nn.Module):
                 if out is not None:
                     hidden, out = hidden + out, None
                 hidden = layer(hidden, batch, caches[i])
+                continue
+            if out is None:
+                x = layer.pre_norm()(hidden)
             else:
-                if out is None:
-                    x = layer.pre_norm()(hidden)
-                else:
-                    x, hidden = layer.pre_norm().add_forward(out, hidden)
-                out, hidden = layer.forward_residual(x, hidden, batch, caches[i])
-            batch.branch_end()
+                x, hidden = layer.pre_norm().add_forward(out, hidden)
+            out, hidden = layer.forward_residual(x, hidden, batch, caches[i])
         return hidden if out is None else hidden + out
 
     def intermediate_spec(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

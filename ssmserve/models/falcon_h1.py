@@ -140,7 +140,6 @@ class FalconH1DecoderLayer(PreNormBlock):
         attn = self.self_attn(scaled(x, self.attention_in_multiplier), batch, cache.kv)
         mixed = scaled(ssm, self.ssm_out_multiplier) + scaled(attn, self.attention_out_multiplier)
         x, hidden = self.pre_ff_layernorm.add_forward(mixed, hidden)
-        batch.branch_end()
         return self.feed_forward(x), hidden
 
 

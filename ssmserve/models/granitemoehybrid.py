@@ -153,7 +153,6 @@ class GraniteMoeHybridDecoderLayer(PreNormBlock):
         x, hidden = self.post_attention_layernorm.add_forward(
             scaled(x, self.residual_multiplier), hidden
         )
-        batch.branch_end()
         if self.block_sparse_moe is None:
             x = self.shared_mlp(x)
         else:

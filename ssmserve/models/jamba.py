@@ -84,7 +84,6 @@ class JambaDecoderLayer(PreNormBlock):
         else:
             out = self.mamba(x, batch, cache.state)
         x, hidden = self.pre_ff_layernorm.add_forward(out, hidden)
-        batch.branch_end()
         return self.feed_forward(x), hidden
 
 

@@ -41,7 +41,6 @@ class LlamaDecoderLayer(PreNormBlock):
     def forward_residual(self, x, hidden, batch: ForwardBatch, cache: LayerCache):
         out = self.self_attn(x, batch, cache.kv)
         x, hidden = self.post_attention_layernorm.add_forward(out, hidden)
-        batch.branch_end()
         return self.mlp(x), hidden
 
 

@@ -87,7 +87,6 @@ class MambaStyleLM(CausalLM):
                     out, residual, block.norm.weight, eps=block.norm.eps
                 )
             out = block.mixer(x, batch, caches[i].state)
-            batch.branch_end()
         return residual + out if out is not None else residual
 
     @property

@@ -296,7 +296,6 @@ class Zamba2ForCausalLM(CausalLM):
                 shared = layer.linear(
                     layer.shared_transformer(hidden, embeds, batch, caches[i].kv, layer.use)
                 )
-                batch.branch_end()
                 layer = layer.mamba_decoder
                 x, _ = layer.input_layernorm.add_forward(shared, hidden)
             elif out is None:
@@ -304,7 +303,6 @@ class Zamba2ForCausalLM(CausalLM):
             else:
                 x, hidden = layer.input_layernorm.add_forward(out, hidden)
             out = layer.mamba(x, batch, caches[i].state)
-            batch.branch_end()
         if out is not None:
             hidden = hidden + out
         if not self.stage.is_last:
