@@ -7,8 +7,10 @@ Bamba-9B (conv dim 8192 + 2 x 128) and Mamba2-2.7B (5120 + 2 x 128) mixers, kern
 4, bf16, SiLU. Sections:
 - accuracy: varlen prefill (sequences shorter than the kernel, with and without
   conv state) and the one-token update with a padding row, against the twins.
-- varlen: 4k and 32k tokens, one sequence with a conv state.
+- varlen: 4k and 32k tokens, one sequence with a conv state; x is a column slice of the
+  in_proj output, with its row stride, as the mixers pass it.
 - update: batch 1 / 64 / 256, eager and under CUDA-graph replay.
+- sweep: the varlen launch parameters (`config=`) at 8k tokens, the engine's chunk.
 Floor: x read and y written once (bf16), plus the conv states for the update.
 """
 
@@ -34,25 +36,41 @@ from ssmserve.kernels.causal_conv1d import (
     causal_conv1d_update_triton,
     causal_conv1d_varlen_ref,
     causal_conv1d_varlen_triton,
+    varlen_launch_config,
 )
 
-SECTIONS = ("accuracy", "varlen", "update")
+SECTIONS = ("accuracy", "varlen", "update", "sweep")
 OPTS = parse_args(__doc__, SECTIONS)
-MODELS = [("bamba-9b", 8192 + 2 * 128), ("mamba2-2.7b", 5120 + 2 * 128)]  # (name, conv dim)
+# (name, conv dim, in_proj width: the row stride of the conv input)
+MODELS = [("bamba-9b", 8192 + 2 * 128, 16768), ("mamba2-2.7b", 5120 + 2 * 128, 10576)]
 K = 4
-CHECK_T, VARLEN_T, BATCHES = 8192, (4096, 32768), (1, 64, 256)
+CHECK_T, VARLEN_T, SWEEP_T, BATCHES = 8192, (4096, 32768), 8192, (1, 64, 256)
+SWEEP = [
+    dict(block_t=bt, block_c=bc, num_warps=nw)
+    for bt in (16, 32, 64)
+    for bc in (64, 128, 256)
+    for nw in (4, 8)
+    if bt * bc <= 8192
+]
 if OPTS.tiny:
-    MODELS = [("tiny", 48)]
-    CHECK_T, VARLEN_T, BATCHES = 300, (64,), (1, 4)
+    MODELS = [("tiny", 48, 112)]
+    CHECK_T, VARLEN_T, SWEEP_T, BATCHES = 300, (64,), 64, (1, 4)
+    SWEEP = SWEEP[:2]
 
 
 def rand(*shape: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(*shape, generator=gen, device=DEV).to(torch.bfloat16)
 
 
+def sliced_input(T: int, Cd: int, width: int, gen: torch.Generator) -> torch.Tensor:
+    """[T, Cd] columns of a [T, width] tensor, as a mixer's xBC slice of its in_proj."""
+    start = (width - Cd) // 2
+    return rand(T, width, gen=gen)[:, start : start + Cd]
+
+
 def accuracy() -> None:
     gen = torch.Generator(device=DEV).manual_seed(0)
-    for name, Cd in MODELS:
+    for name, Cd, _ in MODELS:
         lengths = [CHECK_T // 2, 3, 1, CHECK_T - CHECK_T // 2 - 4]
         cu = torch.tensor([0, *lengths], device=DEV).cumsum(0).to(torch.int32)
         x, w, b = rand(CHECK_T, Cd, gen=gen), rand(Cd, K, gen=gen), rand(Cd, gen=gen)
@@ -78,10 +96,10 @@ def accuracy() -> None:
 
 def varlen() -> None:
     gen = torch.Generator(device=DEV).manual_seed(1)
-    for name, Cd in MODELS:
+    for name, Cd, width in MODELS:
         w, b = rand(Cd, K, gen=gen), rand(Cd, gen=gen)
         for T in VARLEN_T:
-            x, pool = rand(T, Cd, gen=gen), rand(4, Cd, K - 1, gen=gen)
+            x, pool = sliced_input(T, Cd, width, gen), rand(4, Cd, K - 1, gen=gen)
             meta = dict(
                 cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=DEV),
                 state_slots=torch.tensor([3], device=DEV),
@@ -97,7 +115,7 @@ def varlen() -> None:
 
 def update() -> None:
     gen = torch.Generator(device=DEV).manual_seed(2)
-    for name, Cd in MODELS:
+    for name, Cd, _ in MODELS:
         w, b = rand(Cd, K, gen=gen), rand(Cd, gen=gen)
         for Bt in BATCHES:
             x, pool = rand(Bt, Cd, gen=gen), rand(Bt * 8, Cd, K - 1, gen=gen)
@@ -114,9 +132,31 @@ def update() -> None:
                 del graph
 
 
+def sweep() -> None:
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    for name, Cd, width in MODELS:
+        w, b = rand(Cd, K, gen=gen), rand(Cd, gen=gen)
+        x, pool = sliced_input(SWEEP_T, Cd, width, gen), rand(4, Cd, K - 1, gen=gen)
+        meta = dict(
+            cu_seqlens=torch.tensor([0, SWEEP_T], dtype=torch.int32, device=DEV),
+            state_slots=torch.tensor([3], device=DEV),
+            has_initial_state=torch.tensor([True], device=DEV),
+        )
+        start = pool.clone()  # the timed calls below write `pool`
+        want = causal_conv1d_varlen_ref(x, w, b, conv_state=start.clone(), **meta)
+        for cfg in SWEEP:
+
+            def run(state: torch.Tensor, cfg=cfg, x=x, w=w, b=b, meta=meta) -> torch.Tensor:
+                return causal_conv1d_varlen_triton(x, w, b, conv_state=state, config=cfg, **meta)
+
+            record_check(f"sweep {name} {cfg}", {"y": rel_err(run(start.clone()), want)})
+            ms = bench_ms(lambda run=run, pool=pool: run(pool))
+            record_time(f"sweep {name} T={SWEEP_T}", ms, floor_ms(2 * SWEEP_T * Cd * 2), config=cfg)
+
+
 def main() -> None:
-    environment(OPTS, kernel_width=K)
-    run_sections(OPTS, dict(accuracy=accuracy, varlen=varlen, update=update))
+    environment(OPTS, kernel_width=K, default_config=varlen_launch_config(8448))
+    run_sections(OPTS, dict(accuracy=accuracy, varlen=varlen, update=update, sweep=sweep))
     finish(OPTS, "conv1d", "Causal conv1d (varlen prefill and one-token update)")
 
 

@@ -8,6 +8,9 @@ inputs seen by that sequence.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +20,7 @@ from ssmserve.kernels._common import (
     check_shape,
     check_varlen,
     check_varlen_shapes,
+    launch_config,
     lazy_jit,
     next_pow2,
     tl,
@@ -188,25 +192,40 @@ def _conv1d_varlen_kernel(
     has_init = tl.load(has_init_ptr + lo, mask=mask_t, other=0) != 0
 
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for k in tl.static_range(K):
-        src = offs_t - (K - 1) + k
-        in_seq = src >= seq_start
-        xv = tl.load(
-            x_ptr + src[:, None] * stride_x_t + offs_c[None, :] * stride_x_c,
-            mask=(mask_t & in_seq)[:, None] & mask_c[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        # Left context from the slot's conv state (index K-1 + src - start, oldest first).
-        sv = tl.load(
-            conv_state_ptr
-            + slot[:, None] * stride_s_slot
-            + offs_c[None, :] * stride_s_c
-            + (K - 1 + src - seq_start)[:, None] * stride_s_k,
-            mask=(mask_t & ~in_seq & has_init)[:, None] & mask_c[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        w = tl.load(weight_ptr + offs_c * stride_w_c + k * stride_w_k, mask=mask_c, other=0.0)
-        acc += (xv + sv) * w.to(tl.float32)[None, :]
+    # Only a tile whose rows reach back past their sequence's start reads conv states:
+    # most tiles of a long prompt take the branch without the state gathers (the state
+    # is [slot, channel, k], so its loads along channels are strided and not vectorised).
+    reaches_back = tl.min(tl.where(mask_t, offs_t - (K - 1) - seq_start, 0)) < 0
+    if reaches_back:
+        for k in tl.static_range(K):
+            src = offs_t - (K - 1) + k
+            in_seq = src >= seq_start
+            xv = tl.load(
+                x_ptr + src[:, None] * stride_x_t + offs_c[None, :] * stride_x_c,
+                mask=(mask_t & in_seq)[:, None] & mask_c[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            # Left context from the slot's conv state (index K-1 + src - start, oldest first).
+            sv = tl.load(
+                conv_state_ptr
+                + slot[:, None] * stride_s_slot
+                + offs_c[None, :] * stride_s_c
+                + (K - 1 + src - seq_start)[:, None] * stride_s_k,
+                mask=(mask_t & ~in_seq & has_init)[:, None] & mask_c[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            w = tl.load(weight_ptr + offs_c * stride_w_c + k * stride_w_k, mask=mask_c, other=0.0)
+            acc += (xv + sv) * w.to(tl.float32)[None, :]
+    else:
+        for k in tl.static_range(K):
+            src = offs_t - (K - 1) + k
+            xv = tl.load(
+                x_ptr + src[:, None] * stride_x_t + offs_c[None, :] * stride_x_c,
+                mask=mask_t[:, None] & mask_c[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            w = tl.load(weight_ptr + offs_c * stride_w_c + k * stride_w_k, mask=mask_c, other=0.0)
+            acc += xv * w.to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
     if SILU:
@@ -269,6 +288,18 @@ def _conv1d_varlen_state_kernel(
     )
 
 
+def varlen_launch_config(Cd: int, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Launch parameters of the varlen conv for `Cd` channels, `config` overriding the
+    defaults (benchmarks/kernels/bench_conv1d.py sweeps them).
+
+    block_t, block_c: tokens and channels per program of the conv kernel (the state
+        kernel takes block_c channels too).
+    num_warps: warps per conv program.
+    """
+    default = {"block_t": 16, "block_c": min(256, next_pow2(Cd)), "num_warps": 8}
+    return launch_config("causal_conv1d_varlen", default, config)
+
+
 def causal_conv1d_varlen_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -279,10 +310,12 @@ def causal_conv1d_varlen_triton(
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
     activation: str | None = "silu",
+    config: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Triton twin of `causal_conv1d_varlen_ref` (same arguments, shapes and result).
 
-    No host sync; cu_seqlens and slot values are not validated.
+    No host sync; cu_seqlens and slot values are not validated. `config` overrides launch
+    parameters (see `varlen_launch_config`; benchmarks and tests only).
     """
     _check_activation(activation)
     T, Cd, K = _check_conv_args(x, weight, bias, conv_state)
@@ -291,7 +324,8 @@ def causal_conv1d_varlen_triton(
     if S == 0:
         return y
     has_init = as_int8(has_initial_state)
-    block_t, block_c = 16, min(256, next_pow2(Cd))
+    cfg = varlen_launch_config(Cd, config)
+    block_t, block_c = cfg["block_t"], cfg["block_c"]
     if T > 0:
         grid = (cdiv(T, block_t), cdiv(Cd, block_c))
         _conv1d_varlen_kernel[grid](
@@ -316,6 +350,7 @@ def causal_conv1d_varlen_triton(
             SILU=activation is not None,
             BLOCK_T=block_t,
             BLOCK_C=block_c,
+            num_warps=cfg["num_warps"],
         )
     grid = (S, cdiv(Cd, block_c))
     _conv1d_varlen_state_kernel[grid](

@@ -23,7 +23,7 @@ def make(T, Cd, K, dtype, seed=0):
         randn(T, Cd, gen=gen, dtype=dtype).to(DEVICE),
         randn(Cd, K, gen=gen, dtype=dtype).to(DEVICE),
         randn(Cd, gen=gen, dtype=dtype).to(DEVICE),
-        randn(5, Cd, K - 1, gen=gen, dtype=dtype).to(DEVICE),
+        randn(6, Cd, K - 1, gen=gen, dtype=dtype).to(DEVICE),
     )
 
 
@@ -31,10 +31,13 @@ def make(T, Cd, K, dtype, seed=0):
 @pytest.mark.parametrize("K", [2, 4])
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("init", [False, True])
-def test_varlen_matches_twin(dtype, K, varlen, init):
-    lengths = [9, 1, 0, 2, 20] if varlen else [23]
-    slots = [4, 0, 1, 2, 3] if varlen else [2]
-    inits = [init, True, init, not init, init] if varlen else [init]
+@pytest.mark.parametrize("config", [None, {"block_t": 32, "block_c": 16}])
+def test_varlen_matches_twin(dtype, K, varlen, init, config):
+    """Tiles where rows reach back past their sequence's start (conv-state reads) and
+    tiles wholly inside one sequence, at the default tile and at another."""
+    lengths = [9, 1, 0, 2, 20, 70] if varlen else [23]
+    slots = [4, 0, 1, 2, 3, 5] if varlen else [2]
+    inits = [init, True, init, not init, init, True] if varlen else [init]
     x, w, b, pool = make(sum(lengths), 37, K, dtype)
     pool_ref = pool.clone()
     meta = dict(
@@ -43,7 +46,7 @@ def test_varlen_matches_twin(dtype, K, varlen, init):
         has_initial_state=torch.tensor(inits, device=DEVICE),
     )
     y_ref = causal_conv1d_varlen_ref(x, w, b, conv_state=pool_ref, **meta)
-    y = causal_conv1d_varlen_triton(x, w, b, conv_state=pool, **meta)
+    y = causal_conv1d_varlen_triton(x, w, b, conv_state=pool, config=config, **meta)
     assert_close(y, y_ref)
     assert torch.equal(pool, pool_ref)
 
