@@ -151,7 +151,7 @@ def sweep() -> None:
 
             record_check(f"sweep {name} {cfg}", {"y": rel_err(run(start.clone()), want)})
             ms = bench_ms(lambda run=run, pool=pool: run(pool))
-            record_time(f"sweep {name} T={SWEEP_T}", ms, floor_ms(2 * SWEEP_T * Cd * 2), config=cfg)
+            record_time(f"sweep {name} T={SWEEP_T} {cfg}", ms, floor_ms(2 * SWEEP_T * Cd * 2))
 
 
 def main() -> None:
