@@ -164,3 +164,40 @@ def test_stochastic_rounding_under_graphs_equals_eager(checkpoint, variant):
     for a, b in zip(logprobs(eager), logprobs(graphed)):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3
     assert logprobs(graphed) != logprobs(nearest)
+
+
+@pytest.mark.parametrize(("L", "n"), [(300, 300), (300, 1100), (64, 4096), (1, 513)])
+def test_cudnn_fused_attention_equals_float64_reference(L, n):
+    """16-bit long-prompt attention on sm_90 goes through cuDNN in two parts (the chunk's
+    own tokens causally, its context unmasked) merged by logsumexp: each query sees
+    exactly the tokens up to its own position, as a float64 softmax says."""
+    from ssmserve.distributed.parallel import TensorParallel
+    from ssmserve.kernels import get_ops
+    from ssmserve.layers.attention import Attention, _cudnn_usable
+
+    heads, kv_heads, D = 8, 2, 128
+    layer = Attention(
+        hidden_size=heads * D,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=D,
+        ops=get_ops("torch", "cpu"),
+        tp=TensorParallel(),
+        rotary=None,
+        scale=0.1,
+    )
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (
+        torch.randn(m, h, D, generator=gen) for m, h in ((L, heads), (n, kv_heads), (n, kv_heads))
+    )
+    cuda = [t.to("cuda", torch.bfloat16) for t in (q, k, v)]
+    if not _cudnn_usable(cuda[0].transpose(0, 1).unsqueeze(0)):
+        pytest.skip("cuDNN attention needs sm_90 and cuDNN")
+    out = layer._fused_causal(*cuda).double().cpu()
+    q64, k64, v64 = (t.to(torch.bfloat16).double() for t in (q, k, v))
+    groups = heads // kv_heads
+    for h in range(heads):
+        scores = q64[:, h] @ k64[:, h // groups].T * 0.1
+        seen = torch.arange(n)[None, :] <= torch.arange(n - L, n)[:, None]
+        expected = scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v64[:, h // groups]
+        assert (out[:, h] - expected).abs().max() < 2e-2, h
