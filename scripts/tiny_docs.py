@@ -18,14 +18,19 @@ import re
 import textwrap
 from pathlib import Path
 
-# The previous ssmserve-bamba-tiny (6.31 M parameters, stdlib only, no chat data),
-# measured on the same held-out sets by eval_tiny.py at window 1024
-# (benchmarks/results/eval_tiny_2026-12-01_previous_bamba.json).
+# The previous ssmserve-bamba-tiny (the same shape, 7.79 M parameters; 3.0 minutes on one
+# NVIDIA H200, 75.7 M tokens of the 26.3 M-token corpus), measured on the same held-out sets
+# by eval_tiny.py at window 1024, and its chat stop rate with the same defaults (repetition
+# penalty 1.1) on the same 64 prompts (benchmarks/results/eval_tiny_2026-12-02_defaults_rp1.1.json).
+# The one before it (6.31 M parameters, stdlib only, no chat data) scored 1.3306 and 1.1598
+# bits per byte and 0% (eval_tiny_2026-12-01_previous_bamba.json).
 PREVIOUS = {
-    "parameters": 6_308_256,
-    "heldout": 1.3306,
-    "heldout_third_party": 1.1598,
-    "chat_stop_fraction": 0.0,
+    "description": "the same shape trained for 3.0 minutes on one NVIDIA H200 (76 M tokens "
+    "of a 26.3 M-token corpus)",
+    "parameters": 7_785_248,
+    "heldout": 1.0534,
+    "heldout_third_party": 0.7394,
+    "chat_stop_fraction": 0.609375,
 }
 SET_TITLES = {
     "heldout": "21 held-out stdlib modules",
@@ -104,6 +109,32 @@ def _bpb(result: dict, name: str) -> float:
     return result["sets"][name]["transformers"]["bits_per_byte"]
 
 
+def _lr(value: float) -> str:
+    """A learning rate as the docs write it: 2.8e-3."""
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def _compiled(training: dict) -> str:
+    """A sentence on the run's step function (the report's "compile", when it has one)."""
+    record = training.get("compile")
+    if not record or "chosen" not in record:
+        return ""
+    if record["chosen"] != "compiled":
+        return f" The step function ran eager ({record.get('note', record['chosen'])})."
+    text = " The step function was torch.compile'd"
+    if "eager_tokens_per_second" in record and "compiled_tokens_per_second" in record:
+        text += (
+            f": `--compile auto` timed {record['compiled_tokens_per_second'] / 1e6:.2f} M "
+            f"tokens/s compiled against {record['eager_tokens_per_second'] / 1e6:.2f} M eager "
+            "and kept it"
+        )
+    warmup = record.get("compiled_warmup_step_seconds")
+    if warmup:
+        text += f" (compiling, {warmup[0]:.0f} s, counts in the budget)"
+    return text + "."
+
+
 def _penalty(chat: dict) -> float:
     # Results files from before eval_tiny named the penalty were measured without one.
     return chat.get("repetition_penalty", 1.0)
@@ -132,7 +163,7 @@ def readme_block(results: dict, meta: dict) -> str:
             "template."
         ),
         "",
-        "| held out (never trained on) | this model | previous model (stdlib only) |",
+        "| held out (never trained on) | this model | previous model |",
         "| --- | --- | --- |",
     ]
     for name, title in SET_TITLES.items():
@@ -145,6 +176,7 @@ def readme_block(results: dict, meta: dict) -> str:
         f"{PREVIOUS['chat_stop_fraction']:.0%} |",
         "",
         para(
+            f"The previous model is {PREVIOUS['description']}. "
             f"transformers and ssmserve compute the same figures (to {worst:.0e} relative). "
             "What it writes, greedy, with the sampling defaults of its generation_config.json "
             f"(repetition penalty {penalty}), which `ssmserve serve` and "
@@ -186,9 +218,9 @@ def card_block(results: dict) -> str:
             f"{training['batch_size']} × {training['seq_len']} tokens a step), "
             f"{results['date']}: {training['steps']} steps, "
             f"{training['tokens_seen'] / 1e6:.1f} M tokens in {training['train_seconds']:.0f} s "
-            f"(peak LR {training['peak_lr']}, cosine over the time budget); last train loss "
-            f"{training['final_train_loss']:.3f}. Progress, with the loss on 32 windows of "
-            "each held-out set:"
+            f"(peak LR {_lr(training['peak_lr'])}, cosine over the time budget); last train "
+            f"loss {training['final_train_loss']:.3f}.{_compiled(training)} Progress, with the "
+            "loss on 32 windows of each held-out set:"
         ),
         "",
         "| step | seconds | train loss | stdlib held-out loss | third-party held-out loss |",
@@ -320,6 +352,17 @@ def corpus_block(meta: dict) -> str:
             "files): " + ", ".join(f"`{path}`" for path in leaked) + "."
         ),
     ]
+    readme = meta.get("left_out_for_readme_prompts")  # data folders since f48db19
+    if readme is not None:
+        listed = ", ".join(f"`{path}`" for path in readme) or "none"
+        lines += [
+            "",
+            para(
+                "Left out because they hold the README's prompts "
+                f"(`tiny_corpus.README_PROMPT_MARKERS`; {len(readme)} "
+                f"file{'' if len(readme) == 1 else 's'}): {listed}."
+            ),
+        ]
     return "\n".join(lines)
 
 
