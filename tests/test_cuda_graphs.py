@@ -171,21 +171,11 @@ def test_cudnn_fused_attention_equals_float64_reference(L, n):
     """16-bit long-prompt attention on sm_90 goes through cuDNN in two parts (the chunk's
     own tokens causally, its context unmasked) merged by logsumexp: each query sees
     exactly the tokens up to its own position, as a float64 softmax says."""
-    from ssmserve.distributed.parallel import TensorParallel
-    from ssmserve.kernels import get_ops
-    from ssmserve.layers.attention import Attention, _cudnn_usable
+    from ssmserve.layers.attention import _cudnn_usable
+    from tests.tiny_models import make_attention
 
     heads, kv_heads, D = 8, 2, 128
-    layer = Attention(
-        hidden_size=heads * D,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=D,
-        ops=get_ops("torch", "cpu"),
-        tp=TensorParallel(),
-        rotary=None,
-        scale=0.1,
-    )
+    layer = make_attention(heads, kv_heads, D, scale=0.1)
     gen = torch.Generator().manual_seed(5)
     q, k, v = (
         torch.randn(m, h, D, generator=gen) for m, h in ((L, heads), (n, kv_heads), (n, kv_heads))

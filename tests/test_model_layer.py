@@ -13,7 +13,6 @@ from safetensors.torch import load_file, save_file
 
 from ssmserve import LLM
 from ssmserve.distributed.parallel import TensorParallel
-from ssmserve.kernels import get_ops
 from ssmserve.layers.embed import VocabParallelEmbedding
 from ssmserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ssmserve.layers.mamba2_mixer import Mamba2Shard
@@ -135,21 +134,12 @@ def test_attention_over_gathered_context_equals_a_naive_loop(heads, kv_heads, mo
     scrambled order, a partial last block, a few KV heads per call) and lower-right causal
     mask: each query sees exactly the tokens up to its own position."""
     from ssmserve.layers import attention as attention_module
-    from ssmserve.layers.attention import Attention
     from ssmserve.layers.cache import KVCache
+    from tests.tiny_models import make_attention
 
     gen = torch.Generator().manual_seed(4)
     D, block_size, n, L = 8, 4, 23, 9  # 14 cached tokens, 9 new; 6 blocks, the last partial
-    layer = Attention(
-        hidden_size=heads * D,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=D,
-        ops=get_ops("torch", "cpu"),
-        tp=TensorParallel(),
-        rotary=None,
-        scale=0.3,
-    )
+    layer = make_attention(heads, kv_heads, D, scale=0.3)
     k_cache = torch.randn(10, block_size, kv_heads, D, generator=gen)
     v_cache = torch.randn(10, block_size, kv_heads, D, generator=gen)
     table = torch.tensor([7, 2, 9, 0, 5, 3, 8, 1], dtype=torch.int32)  # wider than needed

@@ -314,3 +314,22 @@ def make_tiny_checkpoint(path: str, family: str = "bamba", seed: int = 0, **over
     _rescale(model, config.tie_word_embeddings, torch.Generator().manual_seed(seed))
     model.save_pretrained(path)
     return path
+
+
+def make_attention(heads: int, kv_heads: int, head_dim: int, scale: float):
+    """A single-rank Attention layer without RoPE, on the torch ops (its fused paths are
+    what the tests call directly)."""
+    from ssmserve.distributed.parallel import TensorParallel
+    from ssmserve.kernels import get_ops
+    from ssmserve.layers.attention import Attention
+
+    return Attention(
+        hidden_size=heads * head_dim,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        ops=get_ops("torch", "cpu"),
+        tp=TensorParallel(),
+        rotary=None,
+        scale=scale,
+    )

@@ -68,6 +68,15 @@ def sliced_input(T: int, Cd: int, width: int, gen: torch.Generator) -> torch.Ten
     return rand(T, width, gen=gen)[:, start : start + Cd]
 
 
+def one_sequence(T: int) -> dict[str, torch.Tensor]:
+    """The varlen metadata of one T-token sequence resuming from slot 3's conv state."""
+    return dict(
+        cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=DEV),
+        state_slots=torch.tensor([3], device=DEV),
+        has_initial_state=torch.tensor([True], device=DEV),
+    )
+
+
 def accuracy() -> None:
     gen = torch.Generator(device=DEV).manual_seed(0)
     for name, Cd, _ in MODELS:
@@ -100,11 +109,7 @@ def varlen() -> None:
         w, b = rand(Cd, K, gen=gen), rand(Cd, gen=gen)
         for T in VARLEN_T:
             x, pool = sliced_input(T, Cd, width, gen), rand(4, Cd, K - 1, gen=gen)
-            meta = dict(
-                cu_seqlens=torch.tensor([0, T], dtype=torch.int32, device=DEV),
-                state_slots=torch.tensor([3], device=DEV),
-                has_initial_state=torch.tensor([True], device=DEV),
-            )
+            meta = one_sequence(T)
             ms = bench_ms(
                 lambda x=x, pool=pool, meta=meta, w=w, b=b: causal_conv1d_varlen_triton(
                     x, w, b, conv_state=pool, **meta
@@ -137,11 +142,7 @@ def sweep() -> None:
     for name, Cd, width in MODELS:
         w, b = rand(Cd, K, gen=gen), rand(Cd, gen=gen)
         x, pool = sliced_input(SWEEP_T, Cd, width, gen), rand(4, Cd, K - 1, gen=gen)
-        meta = dict(
-            cu_seqlens=torch.tensor([0, SWEEP_T], dtype=torch.int32, device=DEV),
-            state_slots=torch.tensor([3], device=DEV),
-            has_initial_state=torch.tensor([True], device=DEV),
-        )
+        meta = one_sequence(SWEEP_T)
         start = pool.clone()  # the timed calls below write `pool`
         want = causal_conv1d_varlen_ref(x, w, b, conv_state=start.clone(), **meta)
         for cfg in SWEEP:
