@@ -23,9 +23,9 @@ from ssmserve.layers.rotary import RotaryEmbedding
 # a long prompt, a prefix-cache hit) of that many tokens take it too: their K/V are
 # gathered from the cache and the query attends with a lower-right causal mask.
 FUSED_PREFILL_MIN_TOKENS = 512
-# Bytes the gathered and head-repeated K/V of one fused call may take: a long context is
-# attended a few KV heads at a time, so the transient stays below what the memory plan
-# set aside for a prefill's activations.
+# Bytes the gathered (and, for PyTorch's kernels, head-repeated) K/V of one fused call may
+# take: a long context is attended a few KV heads at a time, so the transient stays below
+# what the memory plan set aside for a prefill's activations.
 FUSED_CONTEXT_MAX_BYTES = 256 * 2**20
 # The fused kernels only: the math backend would materialise the L x n scores.
 _FUSED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
@@ -142,7 +142,10 @@ class Attention(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         block_size = cache.k.shape[1]
         blocks = block_table[: -(-n // block_size)].long()
-        per_kv_head = n * self.head_dim * cache.k.element_size() * 2 * (1 + groups)
+        # The gathered K/V, and their copies repeated per query head unless cuDNN takes
+        # the group as it is.
+        copies = 1 if _cudnn_usable(q) else 1 + groups
+        per_kv_head = n * self.head_dim * cache.k.element_size() * 2 * copies
         step = max(1, min(self.num_kv_heads, FUSED_CONTEXT_MAX_BYTES // per_kv_head))
         while self.num_kv_heads % step:
             step -= 1
@@ -159,27 +162,29 @@ class Attention(nn.Module):
         """Causal attention of one sequence's last L tokens ([L, heads, D] queries) over
         its n >= L [n, kv heads, D] keys and values with PyTorch's fused kernels: query i
         sees the first n - L + i + 1 (a lower-right causal mask; plain causal when
-        n == L). Query heads of a group get their KV head repeated (a copy of these K/V
-        only); the unfused math backend, which would materialise the L x n scores, runs
-        only off the GPU (unit tests at small sizes)."""
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
+        n == L). cuDNN takes a group of query heads over their one KV head as it is; for
+        PyTorch's kernels the KV head is repeated (a copy of these K/V only). The unfused
+        math backend, which would materialise the L x n scores, runs only off the GPU
+        (unit tests at small sizes)."""
         L, n = q.shape[0], k.shape[0]
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         if _cudnn_usable(q):
             out = self._cudnn_causal(q, k, v)
         else:
+            groups = q.shape[1] // k.shape[1]
+            if groups > 1:
+                k = k.repeat_interleave(groups, dim=1)
+                v = v.repeat_interleave(groups, dim=1)
             causal = {"is_causal": True} if L == n else {"attn_mask": causal_lower_right(L, n)}
             with sdpa_kernel(_FUSED_BACKENDS if q.is_cuda else _ANY_BACKEND):
                 out = F.scaled_dot_product_attention(q, k, v, scale=self.scale, **causal)
         return out.squeeze(0).transpose(0, 1)
 
     def _cudnn_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """`_fused_causal` on cuDNN ([1, heads, L or n, D] in and out): the query's own L
-        tokens causally and the n - L context tokens before them unmasked, merged by the
-        two parts' logsumexps (softmax over the union)."""
+        """`_fused_causal` on cuDNN ([1, heads, L, D] queries and out, [1, kv heads, n, D]
+        keys and values): the query's own L tokens causally and the n - L context tokens
+        before them unmasked, merged by the two parts' logsumexps (softmax over the
+        union)."""
         L, n = q.shape[2], k.shape[2]
         own, lse_own = _cudnn_attention(q, k[:, :, n - L :], v[:, :, n - L :], True, self.scale)
         if n == L:
@@ -235,9 +240,9 @@ def _cudnn_usable(q: torch.Tensor) -> bool:
 def _cudnn_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cuDNN fused attention ([1, heads, L, D] queries over [1, heads, n, D] keys and
-    values; `causal` masks top-left aligned): the output and each row's logsumexp of its
-    scaled scores, float32 [1, heads, L]."""
+    """cuDNN fused attention ([1, heads, L, D] queries over [1, kv heads, n, D] keys and
+    values, kv heads dividing heads; `causal` masks top-left aligned): the output and each
+    row's logsumexp of its scaled scores, float32 [1, heads, L]."""
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q, k, v, None, True, 0.0, causal, False, scale=scale
     )[:2]
