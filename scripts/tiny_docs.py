@@ -159,14 +159,8 @@ def readme_block(results: dict, meta: dict) -> str:
             f"{len(meta['train_packages'])} permissively licensed packages, with 21 stdlib "
             "modules and 3 packages held out, plus chat conversations synthesized from "
             "documented functions, whose assistant turns end with EOS (that is how a reply "
-            "learns to stop)"
-            + (
-                f", and short functions written from {meta['sources']['synthetic']['tasks']} "
-                "task descriptions (scripts/tiny_synth.py), `is_prime` among them"
-                if "synthetic" in meta["sources"]
-                else ""
-            )
-            + ". It has its own 4096-token byte-level BPE tokenizer and a chat template."
+            "learns to stop). It has its own 4096-token byte-level BPE tokenizer and a chat "
+            "template."
         ),
         "",
         "| held out (never trained on) | this model | previous model |",
@@ -184,9 +178,6 @@ def readme_block(results: dict, meta: dict) -> str:
         para(
             f"The previous model is {PREVIOUS['description']}. "
             f"transformers and ssmserve compute the same figures (to {worst:.0e} relative). "
-            "`is_prime` is one of the short functions it was trained on "
-            "(`scripts/tiny_synth.py`), so these samples show what it learned, not what it "
-            "makes of a request it never saw (for those, see docs/bundled_model.md). "
             "What it writes, greedy, with the sampling defaults of its generation_config.json "
             f"(repetition penalty {penalty}), which `ssmserve serve` and "
             "`LLM.get_default_sampling_params()` use:"
@@ -307,18 +298,6 @@ def card_block(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _synthetic_row(sources: dict) -> list[str]:
-    """The corpus table's row for scripts/tiny_synth.py's functions (newer corpora)."""
-    synth = sources.get("synthetic")
-    if synth is None:
-        return []
-    return [
-        f"| short functions from {synth['tasks']} task descriptions (`tiny_synth.py`, "
-        f"`is_prime` among them) | {synth['files']:,} modules, {synth['conversations']:,} "
-        f"conversations | – | {synth['tokens']:,} |"
-    ]
-
-
 def corpus_block(meta: dict) -> str:
     sources = meta["sources"]
     lines = [
@@ -335,7 +314,6 @@ def corpus_block(meta: dict) -> str:
         f"{sources['third_party']['bytes']:,} | {sources['third_party']['tokens']:,} |",
         f"| chat conversations | {sources['chat']['conversations']:,} | – | "
         f"{sources['chat']['tokens']:,} |",
-        *_synthetic_row(sources),
         f"| **stream** | | | **{meta['num_train_tokens']:,}** "
         f"({meta['train_tokens_file_bytes'] / 1e6:.1f} MB as `train_tokens.u16.xz`) |",
         "",
@@ -374,6 +352,17 @@ def corpus_block(meta: dict) -> str:
             "files): " + ", ".join(f"`{path}`" for path in leaked) + "."
         ),
     ]
+    readme = meta.get("left_out_for_readme_prompts")  # data folders since f48db19
+    if readme is not None:
+        listed = ", ".join(f"`{path}`" for path in readme) or "none"
+        lines += [
+            "",
+            para(
+                "Left out because they hold the README's prompts "
+                f"(`tiny_corpus.README_PROMPT_MARKERS`; {len(readme)} "
+                f"file{'' if len(readme) == 1 else 's'}): {listed}."
+            ),
+        ]
     return "\n".join(lines)
 
 

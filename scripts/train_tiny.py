@@ -7,8 +7,7 @@ the corpus, and training can run on another machine (with no network):
    site-packages listed in scripts/tiny_corpus.py, hold out the validation
    modules and packages (and drop training files that copy them), synthesize
    chat conversations from the training files' documented functions
-   (scripts/tiny_chat.py), add short functions written from task descriptions
-   (scripts/tiny_synth.py), tokenize everything with the bundled tokenizer, and
+   (scripts/tiny_chat.py), tokenize everything with the bundled tokenizer, and
    write one data folder::
 
        python scripts/train_tiny.py prepare --data-dir .data/tiny
@@ -47,7 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import eval_tiny  # noqa: E402
 import tiny_chat  # noqa: E402
 import tiny_corpus  # noqa: E402
-import tiny_synth  # noqa: E402
 import tiny_trainer  # noqa: E402
 
 logger = logging.getLogger("train_tiny")
@@ -64,10 +62,6 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|assistant|>\n' }}{%- endif -%}"
 )
-# Short functions written from task descriptions (scripts/tiny_synth.py): modules of a few
-# functions, and chat exchanges per task.
-SYNTH_DOCUMENTS = 3000
-SYNTH_CHATS_PER_TASK = 100
 # Held-out chat prompts whose reference answer fits well inside the 256 tokens
 # the stop-rate evaluation allows.
 MAX_HELDOUT_REPLY_TOKENS = 200
@@ -143,6 +137,9 @@ def collect_corpus(max_train_files: int | None) -> dict:
     for path, shared in sorted(dropped.items()):
         why = "duplicate" if shared < 0 else f"{shared} line runs shared with held-out code"
         logger.info("left out %s: %s", path, why)
+    train, readme_dropped = tiny_corpus.readme_prompt_filter(train)
+    for path in readme_dropped:
+        logger.info("left out %s: holds a README prompt", path)
     return {
         "train": train,
         "heldout": heldout,
@@ -150,6 +147,7 @@ def collect_corpus(max_train_files: int | None) -> dict:
         "packages": packages,
         "heldout_packages": heldout_packages,
         "dropped": dropped,
+        "readme_dropped": readme_dropped,
     }
 
 
@@ -219,11 +217,7 @@ def prepare(data_dir: Path, new_tokenizer: bool, max_train_files: int | None, se
     names = sorted(train)
     file_ids = tokenizer([train[n] for n in names], add_special_tokens=False)["input_ids"]
     is_stdlib = [not n.startswith("site-packages/") for n in names]
-    synth_docs = tiny_synth.documents(seed=seed, count=SYNTH_DOCUMENTS)
-    synth_chats = tiny_synth.conversations(seed=seed, per_task=SYNTH_CHATS_PER_TASK)
-    synth_ids = tokenizer(list(synth_docs.values()), add_special_tokens=False)["input_ids"]
-    synth_ids += encode_conversations(tokenizer, synth_chats)
-    documents = file_ids + chat_ids + synth_ids
+    documents = file_ids + chat_ids
     order = list(range(len(documents)))
     random.Random(seed).shuffle(order)
     eos = tokenizer.eos_token_id
@@ -255,6 +249,7 @@ def prepare(data_dir: Path, new_tokenizer: bool, max_train_files: int | None, se
         "heldout_chat_prompts": len(records),
         "train_packages": corpus["packages"],
         "left_out_for_leakage": {k: v for k, v in sorted(corpus["dropped"].items()) if v >= 0},
+        "left_out_for_readme_prompts": corpus["readme_dropped"],
         "sources": {
             "stdlib": {
                 "files": sum(is_stdlib),
@@ -269,13 +264,6 @@ def prepare(data_dir: Path, new_tokenizer: bool, max_train_files: int | None, se
             "chat": {
                 "conversations": len(conversations),
                 "tokens": sum(len(ids) + 1 for ids in chat_ids),
-            },
-            "synthetic": {
-                "files": len(synth_docs),
-                "conversations": len(synth_chats),
-                "tasks": len(tiny_synth.TASKS),
-                "bytes": num_bytes(synth_docs),
-                "tokens": sum(len(ids) + 1 for ids in synth_ids),
             },
         },
         "num_train_tokens": int(stream.size),
