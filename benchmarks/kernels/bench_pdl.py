@@ -13,20 +13,25 @@ before that wait is set against F.linear, in chains shaped like a model's decode
 each captured whole in one CUDA graph (the engine's decode) with its weights distinct
 per layer, so every layer reads its own from HBM:
 
-- mamba2-2.7b: 64 x [in_proj 10576x2560 -> mixer stand-in -> out_proj 2560x5120 ->
-  residual + RMSNorm stand-in];
+- mamba2-2.7b: 64 x [in_proj 10576x2560 -> state update -> out_proj 2560x5120 ->
+  residual + RMSNorm];
 - llama-3-8b-mlp: 32 x [gate_up 28672x4096 -> SiLU-and-mul -> down 4096x14336 ->
-  residual + RMSNorm stand-in].
+  residual + RMSNorm].
 
-The stand-ins are one small Triton kernel each (the real mixer is two launches and more
-work), so the chains measure the linears and the hand-offs, not the whole model. Forms:
-`cublas` (F.linear, stand-ins launched plainly: the engine today), `cublas+pdl` (the
-stand-ins launched with PDL), `gemv` (the Triton GEMV, no PDL), `gemv+pdl` (every kernel
-with PDL, the GEMV waiting before its first load) and `gemv+pdl+prefetch` (its first
-weight tile loaded before the wait). Sections:
-- accuracy: the GEMV against F.linear in float32; each chain's output with PDL equal bit
-  for bit to the same kernels without it (ordering kept under graph replay).
-- chain: each form's graph replay, ms per layer against the weight-read floor.
+The mixers and the norm are stand-ins, one small Triton kernel each: the state update
+reads and writes the layer's float32 state (80 heads x 64 x 128, 2.6 MB) as the real one
+does, but the real mixer is two launches with more work (the conv, the gated norm), so
+the chains measure the linears, the state traffic and the hand-offs, not the whole
+model. Forms: `cublas` (F.linear, stand-ins launched plainly: the engine today),
+`cublas+pdl` (the stand-ins launched with PDL), `cublas+pdl+prefetch` (and the state
+update loading its state before the wait: the state is written by no other kernel of
+the step), `gemv` (the Triton GEMV, no PDL), `gemv+pdl` (every kernel with PDL, each
+waiting before its first load) and `gemv+pdl+prefetch` (the GEMV's first weight tile
+and the state loaded before the wait). Sections:
+- accuracy: the GEMV against F.linear in float32; each chain's output and state with PDL
+  and prefetching equal bit for bit to the same kernels without (graph replays).
+- chain: each form's graph replay against the floor: weights read once, states read and
+  written once (µs per layer in the JSON).
 - sweep: the GEMV's launch parameters in the pdl+prefetch chain.
 """
 
@@ -56,14 +61,23 @@ from ssmserve.kernels._common import cdiv, lazy_jit, next_pow2, tl
 SECTIONS = ("accuracy", "chain", "sweep")
 OPTS = parse_args(__doc__, SECTIONS)
 DTYPE = torch.bfloat16
-# name: (layers, first linear N x K, mixer width D (the second linear's K), hidden)
+# name: (layers, hidden, mixer width D (the second linear's K), SSM heads, state size).
+# With heads, the first linear is a Mamba2 in_proj (z, x, B, C, dt: 2D + 2 state + heads
+# rows) and the mixer a state update; without, an MLP's gate_up (2D rows) and SiLU-and-mul.
 CHAINS = {
-    "mamba2-2.7b": (64, 10576, 5120, 2560),
-    "llama-3-8b-mlp": (32, 28672, 14336, 4096),
+    "mamba2-2.7b": (64, 2560, 5120, 80, 128),
+    "llama-3-8b-mlp": (32, 4096, 14336, 0, 0),
 }
 if OPTS.tiny:
-    CHAINS = {"tiny": (2, 80, 24, 40), "tiny-even": (2, 96, 32, 48)}
-FORMS = ("cublas", "cublas+pdl", "gemv", "gemv+pdl", "gemv+pdl+prefetch")
+    CHAINS = {"tiny-mlp": (2, 40, 24, 0, 0), "tiny-mamba2": (2, 48, 32, 2, 16)}
+FORMS = (
+    "cublas",
+    "cublas+pdl",
+    "cublas+pdl+prefetch",
+    "gemv",
+    "gemv+pdl",
+    "gemv+pdl+prefetch",
+)
 SWEEP: list[dict[str, Any]] = [
     {"block_k": 512},
     {"block_k": 1024},
@@ -156,6 +170,48 @@ def _silu_mul_kernel(u_ptr, v_ptr, D, BLOCK: tl.constexpr, PDL: tl.constexpr):
     tl.store(v_ptr + offs, (a * tl.sigmoid(a) * b).to(v_ptr.dtype.element_ty), mask=ok)
 
 
+@lazy_jit
+def _state_update_kernel(
+    u_ptr,
+    s_ptr,
+    v_ptr,
+    D,
+    HD: tl.constexpr,
+    DS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """A Mamba2 decode mixer's stand-in, one program per (head, BLOCK_P head channels):
+    s = s exp(-dt) + dt x B, y = (s C) silu(z), from the in_proj output u = [z, x, B, C,
+    dt] (one group, A = -1). This layer's state [heads * HD, DS] (float32) is written by
+    no other kernel of the step, so with PREFETCH it is loaded before the wait."""
+    head = tl.program_id(0)
+    p = head * HD + tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, DS)
+    s_ptrs = s_ptr + p[:, None] * DS + n[None, :]
+    if PDL:
+        gdc_launch_dependents()
+    if PREFETCH:
+        state = tl.load(s_ptrs)
+        if PDL:
+            gdc_wait()
+    else:
+        if PDL:
+            gdc_wait()
+        state = tl.load(s_ptrs)
+    z = tl.load(u_ptr + p).to(tl.float32)
+    x = tl.load(u_ptr + D + p).to(tl.float32)
+    b = tl.load(u_ptr + 2 * D + n).to(tl.float32)
+    c = tl.load(u_ptr + 2 * D + DS + n).to(tl.float32)
+    dt = tl.load(u_ptr + 2 * D + 2 * DS + head).to(tl.float32)
+    dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
+    state = state * tl.exp(-dt) + (dt * x)[:, None] * b[None, :]
+    tl.store(s_ptrs, state)
+    y = tl.sum(state * c[None, :], axis=1) * z * tl.sigmoid(z)
+    tl.store(v_ptr + p, y.to(v_ptr.dtype.element_ty))
+
+
 @lazy_jit(do_not_specialize=["H"])
 def _add_norm_kernel(o_ptr, r_ptr, h_ptr, H, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """r += o (float32 residual); h = r / rms(r) in the weights' dtype: one program, as
@@ -221,17 +277,30 @@ def gemv(
 
 
 class Chain:
-    """One chain's weights and buffers; `run(form)` enqueues its kernels and returns h."""
+    """One chain's weights, state and buffers; `run(form)` enqueues its kernels and
+    returns h."""
 
-    def __init__(self, layers: int, n1: int, d: int, hidden: int) -> None:
+    def __init__(self, layers: int, hidden: int, d: int, heads: int, d_state: int) -> None:
         gen = torch.Generator(device=DEV).manual_seed(0)
 
         def weight(n: int, k: int) -> torch.Tensor:
-            w = torch.randn(layers, n, k, generator=gen, device=DEV, dtype=torch.float32)
-            return (w / k**0.5).to(DTYPE)
+            w = torch.empty(layers, n, k, device=DEV, dtype=DTYPE)
+            for layer in range(layers):  # a float32 layer at a time (Llama's: 0.5 GB)
+                w[layer] = torch.randn(n, k, generator=gen, device=DEV) / k**0.5
+            return w
 
+        n1 = 2 * d + 2 * d_state + heads
         self.w1, self.w2 = weight(n1, hidden), weight(hidden, d)
-        self.layers, self.d, self.hidden = layers, d, hidden
+        self.layers, self.hidden, self.d, self.heads, self.d_state = (
+            layers,
+            hidden,
+            d,
+            heads,
+            d_state,
+        )
+        shape = (layers, d, d_state) if heads else (0,)
+        self.s0 = torch.randn(shape, generator=gen, device=DEV) * 0.1
+        self.s = self.s0.clone()
         self.u = torch.empty(n1, device=DEV, dtype=DTYPE)
         self.v = torch.empty(d, device=DEV, dtype=DTYPE)
         self.o = torch.empty(hidden, device=DEV, dtype=DTYPE)
@@ -240,26 +309,47 @@ class Chain:
         self.h0 = torch.randn(hidden, generator=gen, device=DEV).to(DTYPE)
 
     @property
-    def weight_bytes(self) -> int:
-        return (self.w1.numel() + self.w2.numel()) * self.w1.element_size()
+    def floor_bytes(self) -> int:
+        """The weights read once and every layer's state read and written once."""
+        weights = (self.w1.numel() + self.w2.numel()) * self.w1.element_size()
+        return weights + 2 * self.s.numel() * self.s.element_size()
+
+    def mixer(self, layer: int, pdl: bool, prefetch: bool) -> None:
+        if self.heads:
+            hd = self.d // self.heads
+            block_p = min(16, hd)
+            _state_update_kernel[(self.heads, hd // block_p)](
+                self.u,
+                self.s[layer],
+                self.v,
+                self.d,
+                HD=hd,
+                DS=self.d_state,
+                BLOCK_P=block_p,
+                PDL=pdl,
+                PREFETCH=prefetch,
+                **_launch_options(pdl),
+            )
+        else:
+            block = 1024
+            _silu_mul_kernel[(cdiv(self.d, block),)](
+                self.u, self.v, self.d, BLOCK=block, PDL=pdl, **_launch_options(pdl)
+            )
 
     def run(self, form: str, config: dict[str, Any] | None = None) -> torch.Tensor:
         self.h.copy_(self.h0)
         self.r.copy_(self.h0)
-        pdl = form != "cublas" and form != "gemv"
-        block = 1024
+        pdl, prefetch, cublas = "pdl" in form, "prefetch" in form, form.startswith("cublas")
         for layer in range(self.layers):
-            if form.startswith("cublas"):
+            if cublas:
                 torch.mm(self.h[None], self.w1[layer].t(), out=self.u[None])
             else:
-                gemv(self.h, self.w1[layer], self.u, pdl, "prefetch" in form, config)
-            _silu_mul_kernel[(cdiv(self.d, block),)](
-                self.u, self.v, self.d, BLOCK=block, PDL=pdl, **_launch_options(pdl)
-            )
-            if form.startswith("cublas"):
+                gemv(self.h, self.w1[layer], self.u, pdl, prefetch, config)
+            self.mixer(layer, pdl, prefetch)
+            if cublas:
                 torch.mm(self.v[None], self.w2[layer].t(), out=self.o[None])
             else:
-                gemv(self.v, self.w2[layer], self.o, pdl, "prefetch" in form, config)
+                gemv(self.v, self.w2[layer], self.o, pdl, prefetch, config)
             _add_norm_kernel[(1,)](
                 self.o,
                 self.r,
@@ -283,8 +373,8 @@ def _forms() -> tuple[str, ...]:
 
 def accuracy() -> None:
     gen = torch.Generator(device=DEV).manual_seed(1)
-    for name, (_, n1, d, hidden) in CHAINS.items():
-        for n, k in ((n1, hidden), (hidden, d)):
+    for name, (_, hidden, d, heads, d_state) in CHAINS.items():
+        for n, k in ((2 * d + 2 * d_state + heads, hidden), (hidden, d)):
             w = torch.randn(n, k, generator=gen, device=DEV).to(DTYPE)
             x = torch.randn(k, generator=gen, device=DEV).to(DTYPE)
             ref = F.linear(x.float(), w.float())
@@ -296,14 +386,19 @@ def accuracy() -> None:
         return
     for name, shape in CHAINS.items():
         c = Chain(*shape)
-        for plain, with_pdl in (("cublas", "cublas+pdl"), ("gemv", "gemv+pdl+prefetch")):
+        for plain, with_pdl in (("cublas", "cublas+pdl+prefetch"), ("gemv", "gemv+pdl+prefetch")):
             outputs = []
             for form in (plain, with_pdl):
                 graph, h = capture(lambda c=c, form=form: c.run(form))
+                c.s.copy_(c.s0)
                 graph.replay()
                 torch.cuda.synchronize()
                 outputs.append(h.clone())
-            errors = {"h": rel_err(outputs[1], outputs[0])}
+                outputs.append(c.s.clone())
+            errors = {
+                "h": rel_err(outputs[2], outputs[0]),
+                "state": rel_err(outputs[3], outputs[1]),
+            }
             record_check(f"{name}: {with_pdl} == {plain}, graph replays", errors, 0.0)
         del c
         torch.cuda.empty_cache()
@@ -316,7 +411,7 @@ def _time_chain(name: str, chain: Chain, form: str, config: dict[str, Any] | Non
         del graph
     else:
         ms = bench_ms(lambda: chain.run(form, config))
-    floor = floor_ms(chain.weight_bytes)
+    floor = floor_ms(chain.floor_bytes)
     per_layer = 1e3 / chain.layers
     record_time(
         f"{name} {form}" + (f" {config}" if config else ""),
