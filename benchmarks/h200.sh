@@ -14,6 +14,7 @@
 #
 #   tests        GPU kernel, model and CUDA-graph tests (a call of its own)      ~5 min
 #   kernels      state update (Mamba1 regrouped and Mamba2) and MoE launch sizes ~3 min
+#   pdl          batch-1 decode chains with programmatic dependent launch (not yet timed)
 #   latency      batch-1 decode at 2k: Bamba-9B, Llama-3-8B, Mamba2-2.7B, Mamba-2.8B ~5 min
 #   prefill      one 2k prefill (Mamba2-2.7B, caching on / off); Bamba-9B TTFT 32k, 128k ~6 min
 #   step         engine step minus forward, Bamba-9B at 256 running; Bamba b484 decode profile ~5 min
@@ -61,6 +62,9 @@ section() {
         python3 benchmarks/kernels/bench_state_update.py --sections accuracy,sizes \
             --out "$dir/state_update_h200.json" &&
             python3 benchmarks/kernels/bench_moe.py --sections sizes --out "$dir/moe_h200.json"
+        ;;
+    pdl)
+        python3 benchmarks/kernels/bench_pdl.py --out "$dir/pdl_h200.json"
         ;;
     latency)
         for model in bamba-9b llama-3-8b mamba2-2.7b mamba-2.8b; do
