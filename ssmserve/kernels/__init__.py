@@ -32,6 +32,7 @@ _OPS: dict[str, tuple[str, str]] = {
     "act_and_mul": ("activation", "act_and_mul"),
     "write_kv_cache": ("paged_attention", "write_kv_cache"),
     "paged_attention": ("paged_attention", "paged_attention"),
+    "merge_attention_parts": ("attention_merge", "merge_attention_parts"),
     "moe_route": ("moe", "moe_route"),
     "fused_moe": ("moe", "fused_moe"),
 }
@@ -63,6 +64,7 @@ class KernelOps:
     act_and_mul: Callable[..., torch.Tensor]
     write_kv_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+    merge_attention_parts: Callable[..., torch.Tensor]
     moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_moe: Callable[..., torch.Tensor]
 

@@ -190,9 +190,7 @@ class Attention(nn.Module):
         if n == L:
             return own
         ctx, lse_ctx = _cudnn_attention(q, k[:, :, : n - L], v[:, :, : n - L], False, self.scale)
-        # The context's share of each row's softmax mass: e^lse_ctx / (e^lse_own + e^lse_ctx).
-        share = torch.sigmoid(lse_ctx - lse_own)[..., None]
-        return torch.lerp(own.float(), ctx.float(), share).to(q.dtype)
+        return self.ops.merge_attention_parts(own, lse_own, ctx, lse_ctx)
 
     def _long_prefills(self, batch: ForwardBatch) -> list[int]:
         """Sequences with at least FUSED_PREFILL_MIN_TOKENS new tokens."""
