@@ -255,6 +255,12 @@ class EngineConfig:
         "on sm_90, else triton (docs/kernels.md)",
         choices=KERNEL_BACKENDS,
     )
+    decode_pdl: bool = _flag(
+        False,
+        "batch-1 Mamba2 decode with programmatic dependent launch: each kernel starts while "
+        "the one before it runs and loads its weights (or state) first; the linears of one "
+        "row use a Triton GEMV (sm_90, Triton kernels; experimental, docs/kernels.md)",
+    )
     generation_config: str = _flag(
         "auto",
         "where requests that leave temperature, top_p, top_k, min_p or repetition_penalty "

@@ -30,6 +30,31 @@ def test_graph_decode_equals_eager_decode(checkpoint, variant):
     assert stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="programmatic dependent launch needs an sm_90 GPU",
+)
+@pytest.mark.parametrize("variant", ["mamba2", "bamba"])
+def test_pdl_graph_decode_equals_plain_graph_decode(checkpoint, variant):
+    """--decode-pdl (one-row linears through the GEMV, the batch-1 kernels launched with
+    programmatic dependent launch, captured in CUDA graphs) gives the tokens of the plain
+    graphs, one sequence at a time (PDL's path) and five together (the plain path)."""
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 7, 30, 12, 5)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=0)
+    kwargs = dict(device="cuda", dtype="float32", max_num_seqs=8, cache_memory=2**28)
+    plain = LLM(checkpoint(variant), **kwargs)
+    pdl = LLM(checkpoint(variant), decode_pdl=True, **kwargs)
+    assert pdl.llm_engine.executor.runner.ops.pdl
+    for batch in ([[p] for p in prompts[:2]], [prompts]):
+        for group in batch:
+            a_out, b_out = plain.generate(group, params), pdl.generate(group, params)
+            for a, b in zip(a_out, b_out):
+                assert a.outputs[0].token_ids == b.outputs[0].token_ids
+                for i, t in enumerate(a.outputs[0].token_ids):
+                    got, want = b.outputs[0].logprobs[i][t].logprob, a.outputs[0].logprobs[i][t]
+                    assert abs(got - want.logprob) < 1e-3
+
+
 def _twin_kwargs(**overrides) -> dict:
     """Engine arguments of a GPU run checked against the CPU twins (float32, torch ops);
     each prompt is prefilled whole (prefix caching would hold back its last token)."""

@@ -99,6 +99,33 @@ def test_fused_mamba2_decode_gives_the_tokens_of_the_unfused_kernels(
     assert_same_greedy_outputs(unfused_out, fused)
 
 
+@pytest.mark.parametrize("variant", ["bamba", "mamba2"])
+def test_one_row_gemv_gives_the_tokens_of_f_linear(checkpoint, variant):
+    """With the linears of one row through the Triton GEMV (what --decode-pdl runs, here
+    without PDL, which needs an sm_90 GPU): the greedy tokens and logprobs of F.linear,
+    over a one-token prompt's prefill and the decode steps of one sequence."""
+    from ssmserve.kernels.gemv import gemv_triton
+
+    prompts = [{"prompt_token_ids": [7]}, "def hello(x):\n    return"]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0)
+    common = dict(
+        device=DEVICE, dtype="float32", enforce_eager=True, cache_memory=2**28,
+        kernel_backend="triton",
+    )  # fmt: skip
+    llm = LLM(checkpoint(variant), **common)
+    ref = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    linears = [
+        m for m in llm.llm_engine.executor.runner.model.modules() if hasattr(m, "decode_gemv")
+    ]
+    assert linears
+    for module in linears:
+        module.decode_gemv = gemv_triton
+    with record_compile_keys() as keys:
+        got = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    assert "_gemv_kernel" in keys
+    assert_same_greedy_outputs(ref, got)
+
+
 class DeviceWork(TorchDispatchMode):
     """Counts the PyTorch ops that launch device work (not views, allocations or ops that
     hand back their input) and the Triton launches: on a GPU each is a kernel launch the

@@ -25,9 +25,9 @@ the chains measure the linears, the state traffic and the hand-offs, not the who
 model. Forms: `cublas` (F.linear, stand-ins launched plainly: the engine today),
 `cublas+pdl` (the stand-ins launched with PDL), `cublas+pdl+prefetch` (and the state
 update loading its state before the wait: the state is written by no other kernel of
-the step), `gemv` (the Triton GEMV, no PDL), `gemv+pdl` (every kernel with PDL, each
-waiting before its first load) and `gemv+pdl+prefetch` (the GEMV's first weight tile
-and the state loaded before the wait). Sections:
+the step), `gemv` (the engine's one-row Triton GEMV, `ssmserve/kernels/gemv.py`, no
+PDL), `gemv+pdl` (every kernel with PDL; the GEMV loads its first weight tile before
+the wait) and `gemv+pdl+prefetch` (the state too: `--decode-pdl`'s form). Sections:
 - accuracy: the GEMV against F.linear in float32; each chain's output and state with PDL
   and prefetching equal bit for bit to the same kernels without (graph replays).
 - chain: each form's graph replay against the floor: weights read once, states read and
@@ -56,7 +56,16 @@ from bench_common import (
     run_sections,
 )
 
-from ssmserve.kernels._common import cdiv, lazy_jit, next_pow2, tl
+from ssmserve.kernels._common import (
+    cdiv,
+    gdc_launch_dependents,
+    gdc_wait,
+    lazy_jit,
+    next_pow2,
+    pdl_launch,
+    tl,
+)
+from ssmserve.kernels.gemv import gemv_triton
 
 SECTIONS = ("accuracy", "chain", "sweep")
 OPTS = parse_args(__doc__, SECTIONS)
@@ -83,78 +92,10 @@ SWEEP: list[dict[str, Any]] = [
     {"block_k": 1024},
     {"block_k": 2048},
     {"block_k": 4096},
-    {"tile": 4096},
-    {"tile": 16384},
+    {"block_tile": 4096},
+    {"block_tile": 16384},
     {"num_warps": 4},
 ]
-
-try:  # griddepcontrol: Triton's wrappers of the PTX instructions (sm_90 and later)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # no Triton (CPU-only installs): --tiny needs it anyway
-    gdc_launch_dependents = gdc_wait = None
-
-
-@lazy_jit(do_not_specialize=["N"])
-def _gemv_kernel(
-    x_ptr,
-    w_ptr,
-    out_ptr,
-    N,
-    K,
-    stride_wn,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):
-    """out[n] = sum_k w[n, k] x[k], BLOCK_N rows a program, K walked in BLOCK_K tiles with
-    the next tile's load issued before the current one's multiply. With PREFETCH the
-    first tile is loaded before waiting for the previous kernel (the weights are written
-    by no kernel of the chain); x is read only after it. EVEN_K (BLOCK_K divides K): no
-    masks, so every load is a 16-byte vector."""
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    # Rows past N read the last row (in bounds, unmasked); their sums are not stored.
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
-    if PDL:
-        gdc_launch_dependents()
-    if PREFETCH:
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0)
-        if PDL:
-            gdc_wait()
-    else:
-        if PDL:
-            gdc_wait()
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K - BLOCK_K, BLOCK_K):
-        # Every tile but the last, and the next tile's load before this one's multiply.
-        ks = k0 + offs_k
-        if EVEN_K:
-            x = tl.load(x_ptr + ks)
-            w_next = tl.load(w_ptrs + (k0 + BLOCK_K))
-        else:
-            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
-            w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=(ks + BLOCK_K)[None, :] < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        w = w_next
-    ks = tl.cdiv(K, BLOCK_K) * BLOCK_K - BLOCK_K + offs_k
-    if EVEN_K:
-        x = tl.load(x_ptr + ks)
-    else:
-        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
-    acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)
-    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 @lazy_jit(do_not_specialize=["D"])
@@ -227,53 +168,11 @@ def _add_norm_kernel(o_ptr, r_ptr, h_ptr, H, BLOCK: tl.constexpr, PDL: tl.conste
     tl.store(h_ptr + offs, (r * inv).to(h_ptr.dtype.element_ty), mask=ok)
 
 
-def _launch_options(pdl: bool) -> dict[str, Any]:
-    return {"launch_pdl": True} if pdl else {}
-
-
-def gemv_config(N: int, K: int, config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """block_k: the largest power of two up to 4096 that divides K (else K's next power of
-    two, capped); tile: weight elements a program holds per step (block_n = tile /
-    block_k rows, 8192 = 16 KB of bf16 by default); num_warps 8."""
-    cfg = {"block_k": None, "tile": 8192, "num_warps": 8, **(config or {})}
-    if cfg["block_k"] is None:
-        block_k = 4096
-        while block_k > 16 and K % block_k:
-            block_k //= 2
-        cfg["block_k"] = block_k if K % block_k == 0 else min(next_pow2(K), 4096)
-    if OPTS.tiny:
-        cfg["block_k"], cfg["tile"] = 16, 64
-    cfg["block_n"] = max(1, cfg["tile"] // cfg["block_k"])
-    return cfg
-
-
 def gemv(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    out: torch.Tensor,
-    pdl: bool,
-    prefetch: bool,
-    config: dict[str, Any] | None = None,
+    x: torch.Tensor, w: torch.Tensor, pdl: bool, config: dict[str, Any] | None
 ) -> torch.Tensor:
-    """out [N] = w [N, K] @ x [K]."""
-    N, K = w.shape
-    cfg = gemv_config(N, K, config)
-    _gemv_kernel[(cdiv(N, cfg["block_n"]),)](
-        x,
-        w,
-        out,
-        N,
-        K,
-        w.stride(0),
-        BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"],
-        EVEN_K=K % cfg["block_k"] == 0,
-        PDL=pdl,
-        PREFETCH=prefetch,
-        num_warps=cfg["num_warps"],
-        **_launch_options(pdl),
-    )
-    return out
+    """The engine's one-row GEMV (ssmserve/kernels/gemv.py): x [K] -> [N]."""
+    return gemv_triton(x[None], w, pdl=pdl, config=config)[0]
 
 
 class Chain:
@@ -301,9 +200,7 @@ class Chain:
         shape = (layers, d, d_state) if heads else (0,)
         self.s0 = torch.randn(shape, generator=gen, device=DEV) * 0.1
         self.s = self.s0.clone()
-        self.u = torch.empty(n1, device=DEV, dtype=DTYPE)
         self.v = torch.empty(d, device=DEV, dtype=DTYPE)
-        self.o = torch.empty(hidden, device=DEV, dtype=DTYPE)
         self.h = torch.empty(hidden, device=DEV, dtype=DTYPE)
         self.r = torch.empty(hidden, device=DEV, dtype=torch.float32)
         self.h0 = torch.randn(hidden, generator=gen, device=DEV).to(DTYPE)
@@ -314,12 +211,12 @@ class Chain:
         weights = (self.w1.numel() + self.w2.numel()) * self.w1.element_size()
         return weights + 2 * self.s.numel() * self.s.element_size()
 
-    def mixer(self, layer: int, pdl: bool, prefetch: bool) -> None:
+    def mixer(self, layer: int, u: torch.Tensor, pdl: bool, prefetch: bool) -> None:
         if self.heads:
             hd = self.d // self.heads
             block_p = min(16, hd)
             _state_update_kernel[(self.heads, hd // block_p)](
-                self.u,
+                u,
                 self.s[layer],
                 self.v,
                 self.d,
@@ -328,12 +225,12 @@ class Chain:
                 BLOCK_P=block_p,
                 PDL=pdl,
                 PREFETCH=prefetch,
-                **_launch_options(pdl),
+                **pdl_launch(pdl),
             )
         else:
             block = 1024
             _silu_mul_kernel[(cdiv(self.d, block),)](
-                self.u, self.v, self.d, BLOCK=block, PDL=pdl, **_launch_options(pdl)
+                u, self.v, self.d, BLOCK=block, PDL=pdl, **pdl_launch(pdl)
             )
 
     def run(self, form: str, config: dict[str, Any] | None = None) -> torch.Tensor:
@@ -342,23 +239,23 @@ class Chain:
         pdl, prefetch, cublas = "pdl" in form, "prefetch" in form, form.startswith("cublas")
         for layer in range(self.layers):
             if cublas:
-                torch.mm(self.h[None], self.w1[layer].t(), out=self.u[None])
+                u = F.linear(self.h[None], self.w1[layer])[0]
             else:
-                gemv(self.h, self.w1[layer], self.u, pdl, prefetch, config)
-            self.mixer(layer, pdl, prefetch)
+                u = gemv(self.h, self.w1[layer], pdl, config)
+            self.mixer(layer, u, pdl, prefetch)
             if cublas:
-                torch.mm(self.v[None], self.w2[layer].t(), out=self.o[None])
+                o = F.linear(self.v[None], self.w2[layer])[0]
             else:
-                gemv(self.v, self.w2[layer], self.o, pdl, prefetch, config)
+                o = gemv(self.v, self.w2[layer], pdl, config)
             _add_norm_kernel[(1,)](
-                self.o,
+                o,
                 self.r,
                 self.h,
                 self.hidden,
                 BLOCK=next_pow2(self.hidden),
                 PDL=pdl,
                 num_warps=4,
-                **_launch_options(pdl),
+                **pdl_launch(pdl),
             )
         return self.h
 
@@ -378,7 +275,7 @@ def accuracy() -> None:
             w = torch.randn(n, k, generator=gen, device=DEV).to(DTYPE)
             x = torch.randn(k, generator=gen, device=DEV).to(DTYPE)
             ref = F.linear(x.float(), w.float())
-            out = gemv(x, w, torch.empty(n, device=DEV, dtype=DTYPE), False, False)
+            out = gemv(x, w, False, None)
             errors = {"gemv": rel_err(out, ref), "F.linear": rel_err(F.linear(x, w), ref)}
             record_check(f"{name} {n}x{k} bf16 against float32", errors)
     if not _pdl_possible():

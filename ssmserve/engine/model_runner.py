@@ -48,8 +48,13 @@ class ModelRunner:
             if config.mamba_ssm_cache_dtype == "auto"
             else getattr(torch, config.mamba_ssm_cache_dtype)
         )
-        self.ops = get_ops(config.kernel_backend, device)
+        self.ops = get_ops(config.kernel_backend, device, pdl=config.decode_pdl)
         self.model = self._build_model(model_config)
+        if config.decode_pdl:
+            # The linears of one row (batch-1 decode) chain with the other PDL kernels.
+            for module in self.model.modules():
+                if hasattr(module, "decode_gemv"):
+                    module.decode_gemv = self.ops.gemv
         self.cache_specs = self.model.cache_specs()
         self.rounding_seeds = self._rounding_seeds()
         self.caches: list[LayerCache] = []

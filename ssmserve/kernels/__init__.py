@@ -9,6 +9,7 @@ defaults: benchmarks sweep them and tests pin them; the model code never passes 
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +36,11 @@ _OPS: dict[str, tuple[str, str]] = {
     "merge_attention_parts": ("attention_merge", "merge_attention_parts"),
     "moe_route": ("moe", "moe_route"),
     "fused_moe": ("moe", "fused_moe"),
+    "gemv": ("gemv", "gemv"),
 }
+# Ops whose launchers take `pdl` (programmatic dependent launch, `get_ops(pdl=True)`):
+# the kernels of a batch-1 Mamba2 decode step.
+PDL_OPS = ("gemv", "add_rms_norm", "gated_rms_norm", "mamba2_decode_update")
 # What "hopper" runs instead of the Triton-language op: field -> (module, function).
 _HOPPER_OPS: dict[str, tuple[str, str]] = {
     "ssd_scan_varlen": ("ssd_scan_hopper", "ssd_scan_varlen_hopper"),
@@ -48,7 +53,8 @@ BACKENDS = ("auto", "triton", "hopper", "torch")
 class KernelOps:
     """The kernel implementations a model runs with (see each op's docstring).
 
-    `backend` is the resolved choice: "torch", "triton" or "hopper" (never "auto").
+    `backend` is the resolved choice: "torch", "triton" or "hopper" (never "auto");
+    `pdl` whether the PDL_OPS launch with programmatic dependent launch.
     """
 
     backend: str
@@ -67,6 +73,8 @@ class KernelOps:
     merge_attention_parts: Callable[..., torch.Tensor]
     moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_moe: Callable[..., torch.Tensor]
+    gemv: Callable[..., torch.Tensor]
+    pdl: bool = False
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
@@ -90,8 +98,9 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     return "hopper" if hopper_unavailable_reason(device) is None else "triton"
 
 
-def get_ops(backend: str, device: torch.device | str) -> KernelOps:
-    """Return the op set for `backend` (one of BACKENDS) on `device`.
+def get_ops(backend: str, device: torch.device | str, pdl: bool = False) -> KernelOps:
+    """Return the op set for `backend` (one of BACKENDS) on `device`; with `pdl` the
+    PDL_OPS launch with programmatic dependent launch (Triton kernels on sm_90 only).
 
     - "torch": the PyTorch twins, on any device.
     - "triton": the portable Triton-language kernels for every op, on CUDA, or on CPU
@@ -130,7 +139,17 @@ def get_ops(backend: str, device: torch.device | str) -> KernelOps:
         field: getattr(importlib.import_module(f"ssmserve.kernels.{module}"), name)
         for field, (module, name) in targets.items()
     }
-    return KernelOps(backend=resolved, **fns)
+    if pdl:
+        from ssmserve.kernels._common import pdl_unavailable_reason
+
+        reason = pdl_unavailable_reason(device)
+        if reason is None and resolved == "torch":
+            reason = "kernel_backend 'torch' has no Triton launches to chain"
+        if reason is not None:
+            raise RuntimeError(f"decode_pdl: {reason}; run without --decode-pdl")
+        for field in PDL_OPS:
+            fns[field] = functools.partial(fns[field], pdl=True)
+    return KernelOps(backend=resolved, pdl=pdl, **fns)
 
 
-__all__ = ["BACKENDS", "KernelOps", "get_ops", "resolve_backend"]
+__all__ = ["BACKENDS", "PDL_OPS", "KernelOps", "get_ops", "resolve_backend"]

@@ -36,6 +36,34 @@ else:
     tl = _MissingTritonLanguage()
 
 
+try:  # Programmatic dependent launch: griddepcontrol, sm_90 and later (Triton >= 3.4)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:
+    HAS_GDC = False
+    gdc_launch_dependents = gdc_wait = None
+
+
+def pdl_unavailable_reason(device: torch.device) -> str | None:
+    """Why kernels cannot be launched with programmatic dependent launch on `device`."""
+    if not HAS_GDC:
+        return "programmatic dependent launch needs Triton >= 3.4 (griddepcontrol)"
+    if device.type != "cuda" or interpret_mode():
+        return "programmatic dependent launch needs a CUDA GPU (not the interpreter)"
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return "programmatic dependent launch needs an sm_90 or later GPU"
+    return None
+
+
+def pdl_launch(pdl: bool) -> dict[str, Any]:
+    """Launch options of a kernel taking `PDL` (see docs/kernels.md, "Programmatic
+    dependent launch"): with pdl the kernel may start while its predecessor in the stream
+    still runs, so it must read only never-written data (weights) or data no kernel
+    before it in the step writes before its `gdc_wait()`."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 def interpret_mode() -> bool:
     """Whether Triton kernels will run in the CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -16,7 +16,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ssmserve.kernels._common import check_shape, lazy_jit, next_pow2, tl
+from ssmserve.kernels._common import (
+    check_shape,
+    gdc_launch_dependents,
+    gdc_wait,
+    lazy_jit,
+    next_pow2,
+    pdl_launch,
+    tl,
+)
 
 
 def _check_norm_args(
@@ -41,8 +49,9 @@ def gated_rms_norm_ref(
     eps: float,
     group_size: int | None = None,
     norm_before_gate: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """Gated grouped RMSNorm in PyTorch.
+    """Gated grouped RMSNorm in PyTorch (`pdl` is the Triton launcher's).
 
     Matches Hugging Face's BambaRMSNormGated / MambaRMSNormGated exactly when
     group_size is None and norm_before_gate is False: the normalised value is cast to
@@ -88,10 +97,17 @@ def _gated_rms_norm_kernel(
     HAS_Z: tl.constexpr,
     NORM_BEFORE_GATE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
     mask = tl.arange(0, BLOCK) < group_size
+    if PDL:
+        gdc_launch_dependents()
+    # The weight before the wait: no kernel writes it.
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_wait()
     x = tl.load(x_ptr + row * stride_x_t + offs * stride_x_c, mask=mask, other=0.0)
     h = x.to(tl.float32)
     if HAS_Z:
@@ -104,7 +120,6 @@ def _gated_rms_norm_kernel(
     # Round the normalised value to the input dtype before the weight multiply, as
     # Hugging Face does: outputs then match it bit for bit.
     h = h.to(x.dtype).to(tl.float32)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     out = w * h
     if HAS_Z:
         if NORM_BEFORE_GATE:
@@ -122,8 +137,10 @@ def gated_rms_norm_triton(
     eps: float,
     group_size: int | None = None,
     norm_before_gate: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """Triton twin of `gated_rms_norm_ref` (same arguments, shapes and result)."""
+    """Triton twin of `gated_rms_norm_ref` (same arguments, shapes and result). `pdl`:
+    launch with programmatic dependent launch (sm_90)."""
     T, Dm, group = _check_norm_args(x, weight, z, group_size)
     y = torch.empty_like(x)
     if T == 0:
@@ -143,7 +160,9 @@ def gated_rms_norm_triton(
         HAS_Z=z is not None,
         NORM_BEFORE_GATE=norm_before_gate,
         BLOCK=block,
+        PDL=pdl,
         num_warps=min(16, max(1, block // 256)),
+        **pdl_launch(pdl),
     )
     return y
 
@@ -162,14 +181,15 @@ def _check_add_norm_args(
 
 
 def add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(s.to(weight.dtype)), s) for s = residual + x in residual's dtype.
 
     The same values as `s = residual + x` followed by the RMSNorm of `s` cast to the
     weight's dtype (float32 statistics; the normalised value rounded to that dtype
     before the weight multiply), as Hugging Face's Mamba and Mamba2 blocks compute it.
-    x: [T, H] (a block's output); residual: [T, H]; weight: [H].
+    x: [T, H] (a block's output); residual: [T, H]; weight: [H]. `pdl` is the Triton
+    launcher's.
     """
     _check_add_norm_args(x, residual, weight)
     s = residual + x
@@ -194,15 +214,21 @@ def _add_rms_norm_kernel(
     stride_y_t,
     stride_s_t,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
+    if PDL:
+        gdc_launch_dependents()
+    # The weight before the wait: no kernel writes it.
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    if PDL:
+        gdc_wait()
     x = tl.load(x_ptr + row * stride_x_t + offs, mask=mask, other=0.0)
     r = tl.load(residual_ptr + row * stride_r_t + offs, mask=mask, other=0.0)
     s = (r.to(tl.float32) + x.to(tl.float32)).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row * stride_s_t + offs, s, mask=mask)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
     h = s.to(w.dtype).to(tl.float32)
     h = h / tl.sqrt(tl.sum(h * h, axis=0) / hidden + eps)
     out = w.to(tl.float32) * h.to(w.dtype).to(tl.float32)
@@ -210,10 +236,11 @@ def _add_rms_norm_kernel(
 
 
 def add_rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of `add_rms_norm_ref` (same arguments, shapes and result): one kernel
-    instead of the add, the cast and the norm."""
+    instead of the add, the cast and the norm. `pdl`: launch with programmatic dependent
+    launch (sm_90)."""
     T, H = _check_add_norm_args(x, residual, weight)
     s = torch.empty_like(residual)
     y = torch.empty(T, H, dtype=weight.dtype, device=x.device)
@@ -235,6 +262,8 @@ def add_rms_norm_triton(
         y.stride(0),
         s.stride(0),
         BLOCK=block,
+        PDL=pdl,
         num_warps=min(16, max(1, block // 256)),
+        **pdl_launch(pdl),
     )
     return y, s

@@ -28,10 +28,13 @@ from ssmserve.kernels._common import (
     cdiv,
     check_shape,
     device_function,
+    gdc_launch_dependents,
+    gdc_wait,
     launch_config,
     lazy_jit,
     next_pow2,
     num_sms,
+    pdl_launch,
     tl,
 )
 from ssmserve.kernels.causal_conv1d import causal_conv1d_update_ref
@@ -115,8 +118,10 @@ def mamba2_decode_update_ref(
     state_slots: torch.Tensor,
     rounding_offsets: torch.Tensor | None = None,
     rounding_seed: int = 0,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """One Mamba2 decode token (conv update, then state update), in place on both pools.
+    `pdl` is the Triton launcher's.
 
     Args:
         xbc: [Bt, conv_dim] the conv inputs, x (H * P) ++ B (G * N) ++ C (G * N) channels,
@@ -323,6 +328,7 @@ def _mamba2_decode_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program per (head-dim block x run of `heads_per_program` heads, group, row).
     # It computes its group's B and C conv once, then walks its heads: it owns their x
@@ -341,6 +347,19 @@ def _mamba2_decode_kernel(
     mask_p = offs_p < P
     mask_n = offs_n < N
     mask_pn = mask_p[:, None] & mask_n[None, :] & valid
+    state_tile = (
+        ssm_state_ptr
+        + slot * stride_ss_slot
+        + offs_p[:, None] * stride_ss_p
+        + offs_n[None, :] * stride_ss_n
+    )
+    if PDL:
+        # Before the wait, what no kernel of the step writes: the slots (the step's
+        # input) and this layer's state, written only by this kernel's launch of the
+        # step before (complete: every step has launches that wait for all before them).
+        gdc_launch_dependents()
+        next_state = tl.load(state_tile + first_head * stride_ss_h, mask=mask_pn, other=0.0)
+        gdc_wait()
     xbc_row = xbc_ptr + row * stride_xbc_b
     conv_row = conv_state_ptr + slot * stride_cs_slot
     x_dim = n_groups * heads_per_group * P
@@ -384,15 +403,10 @@ def _mamba2_decode_kernel(
     tl.store(c_window_ptrs, c_window, mask=c_mask & last)
     tl.store(counter, 0, mask=last)
 
-    state_tile = (
-        ssm_state_ptr
-        + slot * stride_ss_slot
-        + offs_p[:, None] * stride_ss_p
-        + offs_n[None, :] * stride_ss_n
-    )
     # Each head's state is loaded one head ahead, so a load is in flight while the
     # previous head computes.
-    next_state = tl.load(state_tile + first_head * stride_ss_h, mask=mask_pn, other=0.0)
+    if not PDL:
+        next_state = tl.load(state_tile + first_head * stride_ss_h, mask=mask_pn, other=0.0)
     for i in range(heads_per_program):
         head = first_head + i
         state = next_state.to(tl.float32)
@@ -490,9 +504,10 @@ def decode_update_launch_config(
 
 # NOTE: the (slot, group) arrival counters: one int32 buffer per device, shared by every
 # layer and launch, all zeros between launches (each launch resets what it counts).
-# Launches on one stream never overlap, so sharing is safe. A buffer is never freed,
-# because a captured CUDA graph keeps the address it was captured with, and never
-# allocated while a graph is being captured.
+# Launches on one stream touch them one after another (with programmatic dependent
+# launch too: a kernel touches them only after its `gdc_wait()`), so sharing is safe. A
+# buffer is never freed, because a captured CUDA graph keeps the address it was captured
+# with, and never allocated while a graph is being captured.
 _ARRIVAL_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
@@ -529,12 +544,15 @@ def mamba2_decode_update_triton(
     state_slots: torch.Tensor,
     rounding_offsets: torch.Tensor | None = None,
     rounding_seed: int = 0,
+    pdl: bool = False,
     config: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Triton twin of `mamba2_decode_update_ref` (same arguments, shapes and result), one
     launch. No host sync: safe under CUDA graphs once called eagerly with the state pool
-    (see `_arrival_counters`). `config` overrides launch parameters (see
-    `decode_update_launch_config`; benchmarks and tests only).
+    (see `_arrival_counters`). `pdl`: launch with programmatic dependent launch (sm_90);
+    each program loads its first head's state before waiting for the kernel before it.
+    `config` overrides launch parameters (see `decode_update_launch_config`; benchmarks
+    and tests only).
     """
     Bt, H, P, G, N, K = _check_decode_args(
         xbc, conv_state, conv_weight, conv_bias, ssm_state, dt, A, D, z, dt_bias,
@@ -601,6 +619,8 @@ def mamba2_decode_update_triton(
         BLOCK_P=block_p,
         BLOCK_N=next_pow2(N),
         BLOCK_K=next_pow2(K - 1),
+        PDL=pdl,
         num_warps=cfg["num_warps"],
+        **pdl_launch(pdl),
     )
     return y

@@ -7,11 +7,14 @@ cut off after the gather, so a pad id is never sampled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ssmserve.distributed.parallel import TensorParallel
+from ssmserve.layers.linear import linear
 
 
 def _load_vocab_rows(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None) -> None:
@@ -58,6 +61,8 @@ class ParallelLMHead(nn.Module):
     weight parameter, so `named_parameters()` lists it once, under the embedding.
     """
 
+    decode_gemv: Callable[..., torch.Tensor] | None = None
+
     def __init__(
         self,
         vocab_size: int,
@@ -72,5 +77,5 @@ class ParallelLMHead(nn.Module):
         self.weight = source.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather(linear(hidden, self.weight, None, self.decode_gemv))
         return logits if logits.shape[-1] == self.vocab_size else logits[:, : self.vocab_size]

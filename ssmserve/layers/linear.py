@@ -12,7 +12,7 @@ fused matrix. At tensor_parallel_size 1 every layer here is a plain F.linear.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,9 +115,24 @@ def row_sharded_parameter(
     return param
 
 
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gemv: Callable[..., torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """F.linear, or for one row of x the module's `decode_gemv` where the model runner
+    set one (batch-1 decode with programmatic dependent launch; `get_ops(pdl=True)`)."""
+    if gemv is not None and x.dim() == 2 and x.shape[0] == 1:
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with output features split over ranks by `segments`; no
     communication (each rank keeps its part of y)."""
+
+    decode_gemv: Callable[..., torch.Tensor] | None = None
 
     def __init__(self, in_features: int, segments: Sequence[Segment], bias: bool = False) -> None:
         super().__init__()
@@ -135,7 +150,7 @@ class ColumnParallelLinear(nn.Module):
         return cls(in_features, [Segment.even(n, tp) for n in sizes], bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.decode_gemv)
 
 
 class RowParallelLinear(nn.Module):
@@ -145,6 +160,8 @@ class RowParallelLinear(nn.Module):
     With `reduce_results=False` each rank returns its partial product (rank 0 adds the
     bias), for a caller that adds other partial sums before one all-reduce.
     """
+
+    decode_gemv: Callable[..., torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -165,16 +182,19 @@ class RowParallelLinear(nn.Module):
         self.bias = replicated_parameter(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gemv = self.decode_gemv
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias, gemv)
         if not self.reduce_results:
-            return F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias if self.tp.rank == 0 else None, gemv)
+        y = self.tp.all_reduce(linear(x, self.weight, None, gemv))
         return y if self.bias is None else y + self.bias
 
 
 class ReplicatedLinear(nn.Module):
     """A linear every rank holds whole (small projections such as MoE routers)."""
+
+    decode_gemv: Callable[..., torch.Tensor] | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -182,7 +202,7 @@ class ReplicatedLinear(nn.Module):
         self.bias = replicated_parameter(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.decode_gemv)
 
 
 def head_segment(heads: Iterable[int], head_dim: int, num_heads: int) -> Segment:

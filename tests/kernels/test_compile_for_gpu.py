@@ -24,6 +24,7 @@ from triton_testing import DEVICE, requires_triton
 
 from ssmserve import LLM, SamplingParams
 from ssmserve.kernels._common import LazyKernel
+from ssmserve.kernels.gemv import gemv_triton
 from tests.tiny_models import make_tiny_checkpoint
 
 pytestmark = [
@@ -78,6 +79,10 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
     for family, shape in shapes.items():
         path = make_tiny_checkpoint(str(tmp_path / family), family, seed=0, **shape)
         llm = LLM(path, **common)
+        # The one-row linears through the GEMV, as --decode-pdl runs them.
+        for module in llm.llm_engine.executor.runner.model.modules():
+            if hasattr(module, "decode_gemv"):
+                module.decode_gemv = gemv_triton
         llm.generate(prompts[:1], params, use_tqdm=False)  # one row alone
         llm.generate(prompts, params, use_tqdm=False)
         del llm
@@ -91,12 +96,22 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
         "_moe_route_kernel",
         "_moe_up_kernel",
         "_align_kernel",
+        "_gemv_kernel",
     ):
         assert expected in names, (expected, sorted(names))
+    # The kernels that take PDL compile launched with it too (sm_90 GPUs run them so with
+    # --decode-pdl; the interpreter cannot).
+    pdl_variants = [
+        (kernel, args, {**kwargs, "PDL": True, "launch_pdl": True})
+        for kernel, args, kwargs in launches.values()
+        if kwargs.get("PDL") is False
+    ]
+    pdl_names = {kernel.name for kernel, _, _ in pdl_variants}
+    assert {"_gemv_kernel", "_mamba2_decode_kernel", "_add_rms_norm_kernel"} <= pdl_names
     specs = [
         (kernel.fn.__module__, kernel.fn.__name__, [stand_in(a) for a in args],
          {k: stand_in(v) for k, v in kwargs.items()})
-        for kernel, args, kwargs in launches.values()
+        for kernel, args, kwargs in [*launches.values(), *pdl_variants]
     ]  # fmt: skip
     torch.save(specs, tmp_path / "launches.pt")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

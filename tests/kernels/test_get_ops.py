@@ -12,7 +12,7 @@ from ssmserve.kernels.ssd_scan import scan_launch_config, ssd_scan_varlen_ref
 from ssmserve.kernels.ssd_scan_hopper import hopper_scan_usable, ssd_scan_varlen_hopper
 from ssmserve.kernels.state_update import update_launch_config
 
-OP_FIELDS = [f for f in KernelOps.__dataclass_fields__ if f != "backend"]
+OP_FIELDS = [f for f in KernelOps.__dataclass_fields__ if f not in ("backend", "pdl")]
 
 
 def test_backends_are_the_documented_four():

@@ -1,0 +1,168 @@
+"""GEMV for one row: y = x W^T + b, as F.linear computes it, for batch-1 decode.
+
+A batch-1 decode step reads every weight once, a linear at a time, each waiting for the
+kernel before it. cuBLAS reads the small ones well below bandwidth (its ramp and tail:
+Mamba2-2.7B's out_proj at 1.7x its floor). This kernel is written for programmatic
+dependent launch (`pdl=True`): a program loads its first weight tile (16 KB) before
+`gdc_wait()`, while the kernel before it still runs, and reads x only after it.
+
+- A program owns `block_n` weight rows and walks K in `block_k`-column tiles (K is
+  contiguous in nn.Linear's [N, K] layout, so each thread issues 16-byte loads), the
+  next tile's load issued before the current one's multiply; the products accumulate
+  elementwise in float32 and are summed across the tile once at the end.
+- `block_k` is the largest power of two up to 4096 dividing K (then no masks), and
+  `block_n` holds `block_tile` weight elements a program (8192: 16 KB of bf16).
+
+benchmarks/kernels/bench_pdl.py measures it against F.linear in decode-shaped chains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ssmserve.kernels._common import (
+    cdiv,
+    check_shape,
+    gdc_launch_dependents,
+    gdc_wait,
+    launch_config,
+    lazy_jit,
+    next_pow2,
+    pdl_launch,
+    tl,
+)
+
+
+def _check_gemv_args(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[int, int]:
+    check_shape("x", x, [1, None])
+    K = x.shape[1]
+    check_shape("weight", weight, [None, K])
+    N = weight.shape[0]
+    if bias is not None:
+        check_shape("bias", bias, [N])
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError("x, weight and bias must share one dtype")
+    return N, K
+
+
+def gemv_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = False
+) -> torch.Tensor:
+    """x [1, K], weight [N, K] (nn.Linear's layout), bias [N] or None -> x weight^T +
+    bias, [1, N] in x's dtype: exactly F.linear. `pdl` is the Triton launcher's."""
+    _check_gemv_args(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def gemv_launch_config(K: int, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """block_k (a power of two: the largest up to 4096 dividing K, else K's next power of
+    two capped at 4096), block_tile (weight elements a program holds per step; block_n =
+    block_tile // block_k rows), num_warps. Not yet tuned on a GPU (bench_pdl.py sweeps them)."""
+    block_k = 4096
+    while block_k > 16 and K % block_k:
+        block_k //= 2
+    if K % block_k:
+        block_k = min(next_pow2(K), 4096)
+    cfg = launch_config("gemv", {"block_k": block_k, "block_tile": 8192, "num_warps": 8}, config)
+    cfg["block_n"] = max(1, cfg["block_tile"] // cfg["block_k"])
+    return cfg
+
+
+@lazy_jit(do_not_specialize=["N"])
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_wn,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows past N read the last row (in bounds, unmasked); their sums are not stored.
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    if PDL:
+        gdc_launch_dependents()
+    # The first tile, before the wait: no kernel writes the weights.
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0)
+    if PDL:
+        gdc_wait()
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K - BLOCK_K, BLOCK_K):
+        # Every tile but the last, the next one's load issued before this one's multiply.
+        ks = k0 + offs_k
+        if EVEN_K:
+            x = tl.load(x_ptr + ks)
+            w_next = tl.load(w_ptrs + (k0 + BLOCK_K))
+        else:
+            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+            w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=(ks + BLOCK_K)[None, :] < K, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w = w_next
+    ks = tl.cdiv(K, BLOCK_K) * BLOCK_K - BLOCK_K + offs_k
+    if EVEN_K:
+        x = tl.load(x_ptr + ks)
+    else:
+        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+    acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows).to(tl.float32)
+    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+def gemv_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    pdl: bool = False,
+    config: Mapping[str, Any] | None = None,
+) -> torch.Tensor:
+    """Triton twin of `gemv_ref` (same arguments and shapes; the sum in another order,
+    rounded once). `pdl`: launch with programmatic dependent launch (sm_90)."""
+    N, K = _check_gemv_args(x, weight, bias)
+    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    if N == 0:
+        return out
+    if K == 0:
+        return out.zero_() if bias is None else out.copy_(bias[None])
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        raise ValueError("gemv needs the weight's rows contiguous (nn.Linear's layout)")
+    cfg = gemv_launch_config(K, config)
+    _gemv_kernel[(cdiv(N, cfg["block_n"]),)](
+        x,
+        weight,
+        bias,
+        out,
+        N,
+        K,
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"],
+        EVEN_K=K % cfg["block_k"] == 0,
+        PDL=pdl,
+        num_warps=cfg["num_warps"],
+        **pdl_launch(pdl),
+    )
+    return out

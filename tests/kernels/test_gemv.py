@@ -1,0 +1,62 @@
+"""The one-row GEMV of batch-1 decode (`decode_pdl`): the Triton kernel against F.linear
+in float64, and what get_ops(pdl=True) asks of the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_testing import assert_close, randn, seeded
+from triton_testing import DEVICE, requires_triton
+
+from ssmserve.kernels import PDL_OPS, get_ops
+from ssmserve.kernels.gemv import gemv_launch_config, gemv_ref, gemv_triton
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    "N, K, config",
+    [
+        (37, 48, None),  # block_k 16 divides K: unmasked tiles
+        (37, 40, None),  # no power of two from 16 divides K: one masked tile
+        (37, 48, {"block_tile": 64}),  # 4 rows a program, N not a multiple: a partial tile
+        (5, 200, {"block_k": 64, "block_tile": 128}),  # 2 rows, 4 K tiles, the last masked
+    ],
+)
+def test_triton_matches_float64_linear(dtype, bias, N, K, config):
+    gen = seeded(0)
+    x = randn(1, K, gen=gen, dtype=dtype).to(DEVICE)
+    w = randn(N, K, gen=gen, dtype=dtype, scale=K**-0.5).to(DEVICE)
+    b = randn(N, gen=gen, dtype=dtype).to(DEVICE) if bias else None
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    got = gemv_triton(x, w, b, config=config)
+    assert got.shape == (1, N) and got.dtype == dtype
+    assert_close(got, want)
+    assert_close(gemv_ref(x, w, b), want)
+
+
+def test_launch_config_picks_a_dividing_tile():
+    assert gemv_launch_config(2560)["block_k"] == 512  # 2560 = 5 x 512
+    assert gemv_launch_config(14336)["block_k"] == 2048  # 7 x 2048
+    cfg = gemv_launch_config(4096)
+    assert cfg["block_k"] == 4096 and cfg["block_n"] == 2
+    assert gemv_launch_config(40)["block_k"] == 64  # none divides: one masked tile
+    with pytest.raises(ValueError, match="power of two"):
+        gemv_launch_config(64, {"block_tile": 100})
+
+
+def test_bad_arguments_are_refused():
+    w = torch.zeros(3, 4)
+    with pytest.raises(ValueError, match="x must have shape"):
+        gemv_ref(torch.zeros(2, 4), w)
+    with pytest.raises(ValueError, match="share one dtype"):
+        gemv_ref(torch.zeros(1, 4), w.double())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_pdl_ops_need_a_gpu_and_the_triton_kernels():
+    with pytest.raises(RuntimeError, match="decode_pdl: .*CUDA GPU.*without --decode-pdl"):
+        get_ops("torch", "cpu", pdl=True)
+    assert set(PDL_OPS) <= set(get_ops("torch", "cpu").__dataclass_fields__)
