@@ -14,7 +14,7 @@
 #
 #   tests        GPU kernel, model and CUDA-graph tests (a call of its own)      ~5 min
 #   kernels      state update (Mamba1 regrouped and Mamba2) and MoE launch sizes ~3 min
-#   pdl          batch-1 decode chains with programmatic dependent launch (not yet timed)
+#   pdl          bench_pdl.py's chains; batch-1 Mamba2-2.7B, Bamba-9B with and without --decode-pdl
 #   latency      batch-1 decode at 2k: Bamba-9B, Llama-3-8B, Mamba2-2.7B, Mamba-2.8B ~5 min
 #   prefill      one 2k prefill (Mamba2-2.7B, caching on / off); Bamba-9B TTFT 32k, 128k ~6 min
 #   step         engine step minus forward, Bamba-9B at 256 running; Bamba b484 decode profile ~5 min
@@ -34,10 +34,12 @@ configs=benchmarks/configs
 dummy=(--load-format dummy)
 failed=()
 
-latency_b1() {  # model name: decode at batch 1 after a 2k prompt
-    python3 -m ssmserve.cli bench latency --model "$configs/$1" "${dummy[@]}" --batch-size 1 \
+latency_b1() {  # model name [suffix engine-flags...]: decode at batch 1 after a 2k prompt
+    local model=$1 suffix=${2:-}
+    shift $(($# < 2 ? $# : 2))
+    python3 -m ssmserve.cli bench latency --model "$configs/$model" "${dummy[@]}" --batch-size 1 \
         --input-len 2048 --output-len 64 --num-iters-warmup 1 --num-iters 3 --max-num-seqs 4 \
-        --max-model-len 4096 --disable-tqdm --output-json "$dir/latency_${1}_b1_2k.json"
+        --max-model-len 4096 --disable-tqdm --output-json "$dir/latency_${model}_b1_2k$suffix.json" "$@"
 }
 
 ttft() {  # tokens: Bamba-9B's time to first token for one prompt of that many tokens
@@ -64,7 +66,10 @@ section() {
             python3 benchmarks/kernels/bench_moe.py --sections sizes --out "$dir/moe_h200.json"
         ;;
     pdl)
-        python3 benchmarks/kernels/bench_pdl.py --out "$dir/pdl_h200.json"
+        python3 benchmarks/kernels/bench_pdl.py --out "$dir/pdl_h200.json" &&
+            for model in mamba2-2.7b bamba-9b; do
+                latency_b1 $model "" && latency_b1 $model _pdl --decode-pdl || return
+            done
         ;;
     latency)
         for model in bamba-9b llama-3-8b mamba2-2.7b mamba-2.8b; do
