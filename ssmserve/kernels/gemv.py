@@ -32,6 +32,7 @@ from ssmserve.kernels._common import (
     launch_config,
     lazy_jit,
     next_pow2,
+    num_sms,
     pdl_launch,
     tl,
 )
@@ -60,17 +61,26 @@ def gemv_ref(
     return F.linear(x, weight, bias)
 
 
-def gemv_launch_config(K: int, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def gemv_launch_config(
+    N: int, K: int, device: torch.device, config: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """block_k (a power of two: the largest up to 4096 dividing K, else K's next power of
     two capped at 4096), block_tile (weight elements a program holds per step; block_n =
-    block_tile // block_k rows), num_warps. Not yet tuned on a GPU (bench_pdl.py sweeps them)."""
+    block_tile // block_k rows, halved while that leaves under two programs an SM: a
+    narrow weight such as Mamba's x_proj, 192 rows, still spreads over the GPU),
+    num_warps. Not yet tuned on a GPU (bench_pdl.py sweeps them)."""
     block_k = 4096
     while block_k > 16 and K % block_k:
         block_k //= 2
     if K % block_k:
         block_k = min(next_pow2(K), 4096)
     cfg = launch_config("gemv", {"block_k": block_k, "block_tile": 8192, "num_warps": 8}, config)
-    cfg["block_n"] = max(1, cfg["block_tile"] // cfg["block_k"])
+    block_n = max(1, cfg["block_tile"] // cfg["block_k"])
+    # The interpreter has no SMs; a small stand-in lets CPU tests reach the halving.
+    sms = num_sms(device) if device.type == "cuda" else 2
+    while block_n > 1 and cdiv(N, block_n) < 2 * sms:
+        block_n //= 2
+    cfg["block_n"] = block_n
     return cfg
 
 
@@ -148,7 +158,7 @@ def gemv_triton(
         x = x.contiguous()
     if weight.stride(1) != 1:
         raise ValueError("gemv needs the weight's rows contiguous (nn.Linear's layout)")
-    cfg = gemv_launch_config(K, config)
+    cfg = gemv_launch_config(N, K, x.device, config)
     _gemv_kernel[(cdiv(N, cfg["block_n"]),)](
         x,
         weight,

@@ -37,14 +37,18 @@ def test_triton_matches_float64_linear(dtype, bias, N, K, config):
     assert_close(gemv_ref(x, w, b), want)
 
 
-def test_launch_config_picks_a_dividing_tile():
-    assert gemv_launch_config(2560)["block_k"] == 512  # 2560 = 5 x 512
-    assert gemv_launch_config(14336)["block_k"] == 2048  # 7 x 2048
-    cfg = gemv_launch_config(4096)
+def test_launch_config_picks_a_dividing_tile_and_enough_programs():
+    cpu = torch.device("cpu")  # stands in for a GPU of 2 SMs: at least 4 programs
+    assert gemv_launch_config(4096, 2560, cpu)["block_k"] == 512  # 2560 = 5 x 512
+    assert gemv_launch_config(4096, 14336, cpu)["block_k"] == 2048  # 7 x 2048
+    cfg = gemv_launch_config(4096, 4096, cpu)
     assert cfg["block_k"] == 4096 and cfg["block_n"] == 2
-    assert gemv_launch_config(40)["block_k"] == 64  # none divides: one masked tile
+    assert gemv_launch_config(4096, 40, cpu)["block_k"] == 64  # none divides: one masked
+    # 16 rows of 512 a program would make 1 program of all 12 rows: halved to 2, 6 programs
+    narrow = gemv_launch_config(12, 512, cpu)
+    assert narrow["block_n"] == 2 and -(-12 // narrow["block_n"]) >= 4
     with pytest.raises(ValueError, match="power of two"):
-        gemv_launch_config(64, {"block_tile": 100})
+        gemv_launch_config(64, 64, cpu, {"block_tile": 100})
 
 
 def test_bad_arguments_are_refused():
