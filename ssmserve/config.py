@@ -257,9 +257,9 @@ class EngineConfig:
     )
     decode_pdl: bool = _flag(
         False,
-        "batch-1 Mamba2 decode with programmatic dependent launch: each kernel starts while "
-        "the one before it runs and loads its weights (or state) first; the linears of one "
-        "row use a Triton GEMV (sm_90, Triton kernels; experimental, docs/kernels.md)",
+        "batch-1 decode with programmatic dependent launch: each kernel starts while the "
+        "one before it runs and loads its weights (or state) first; the linears of one row "
+        "use a Triton GEMV (sm_90, Triton kernels; experimental, docs/kernels.md)",
     )
     generation_config: str = _flag(
         "auto",

@@ -34,7 +34,7 @@ def test_graph_decode_equals_eager_decode(checkpoint, variant):
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
     reason="programmatic dependent launch needs an sm_90 GPU",
 )
-@pytest.mark.parametrize("variant", ["mamba2", "bamba"])
+@pytest.mark.parametrize("variant", ["mamba2", "bamba", "llama", "mamba"])
 def test_pdl_graph_decode_equals_plain_graph_decode(checkpoint, variant):
     """--decode-pdl (one-row linears through the GEMV, the batch-1 kernels launched with
     programmatic dependent launch, captured in CUDA graphs) gives the tokens of the plain

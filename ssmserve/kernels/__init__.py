@@ -39,8 +39,19 @@ _OPS: dict[str, tuple[str, str]] = {
     "gemv": ("gemv", "gemv"),
 }
 # Ops whose launchers take `pdl` (programmatic dependent launch, `get_ops(pdl=True)`):
-# the kernels of a batch-1 Mamba2 decode step.
-PDL_OPS = ("gemv", "add_rms_norm", "gated_rms_norm", "mamba2_decode_update")
+# the Triton kernels of a batch-1 decode step of the dense families.
+PDL_OPS = (
+    "gemv",
+    "add_rms_norm",
+    "gated_rms_norm",
+    "mamba2_decode_update",
+    "causal_conv1d_update",
+    "selective_state_update",
+    "rotary_embedding",
+    "write_kv_cache",
+    "paged_attention",
+    "act_and_mul",
+)
 # What "hopper" runs instead of the Triton-language op: field -> (module, function).
 _HOPPER_OPS: dict[str, tuple[str, str]] = {
     "ssd_scan_varlen": ("ssd_scan_hopper", "ssd_scan_varlen_hopper"),

@@ -11,7 +11,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ssmserve.kernels._common import check_shape, lazy_jit, next_pow2, tl
+from ssmserve.kernels._common import (
+    check_shape,
+    gdc_launch_dependents,
+    gdc_wait,
+    lazy_jit,
+    next_pow2,
+    pdl_launch,
+    tl,
+)
 
 ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
 
@@ -36,7 +44,7 @@ def _act_ref(x: torch.Tensor, act: str) -> torch.Tensor:
     return F.relu(x)
 
 
-def act_and_mul_ref(gate_up: torch.Tensor, *, act: str) -> torch.Tensor:
+def act_and_mul_ref(gate_up: torch.Tensor, *, act: str, pdl: bool = False) -> torch.Tensor:
     """gate_up [T, 2I] -> act(gate_up[:, :I]) * gate_up[:, I:], [T, I] in its dtype."""
     _, inter = _check_act_args(gate_up, act)
     gate, up = gate_up.split([inter, inter], dim=-1)
@@ -55,7 +63,11 @@ def _act_and_mul_kernel(
     stride_y,
     ACT: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -78,7 +90,7 @@ def _act_and_mul_kernel(
 _ACT_CODES = {"silu": 0, "swish": 0, "gelu": 1, "gelu_pytorch_tanh": 2, "relu": 3}
 
 
-def act_and_mul_triton(gate_up: torch.Tensor, *, act: str) -> torch.Tensor:
+def act_and_mul_triton(gate_up: torch.Tensor, *, act: str, pdl: bool = False) -> torch.Tensor:
     """Triton twin of `act_and_mul_ref` (same arguments, shapes and result)."""
     T, inter = _check_act_args(gate_up, act)
     y = torch.empty((T, inter), dtype=gate_up.dtype, device=gate_up.device)
@@ -88,6 +100,14 @@ def act_and_mul_triton(gate_up: torch.Tensor, *, act: str) -> torch.Tensor:
         gate_up = gate_up.contiguous()
     block = min(next_pow2(inter), 2048)
     _act_and_mul_kernel[(T, math.ceil(inter / block))](
-        gate_up, y, inter, gate_up.stride(0), y.stride(0), ACT=_ACT_CODES[act], BLOCK=block
+        gate_up,
+        y,
+        inter,
+        gate_up.stride(0),
+        y.stride(0),
+        ACT=_ACT_CODES[act],
+        BLOCK=block,
+        PDL=pdl,
+        **pdl_launch(pdl),
     )
     return y

@@ -20,9 +20,12 @@ from ssmserve.kernels._common import (
     check_shape,
     check_varlen,
     check_varlen_shapes,
+    gdc_launch_dependents,
+    gdc_wait,
     launch_config,
     lazy_jit,
     next_pow2,
+    pdl_launch,
     tl,
 )
 
@@ -102,6 +105,7 @@ def causal_conv1d_update_ref(
     *,
     state_slots: torch.Tensor,
     activation: str | None = "silu",
+    pdl: bool = False,
 ) -> torch.Tensor:
     """One decode token of the causal conv1d, in place on the conv state pool.
 
@@ -392,7 +396,11 @@ def _conv1d_update_kernel(
     SILU: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_k = tl.arange(0, BLOCK_K)
@@ -443,6 +451,7 @@ def causal_conv1d_update_triton(
     *,
     state_slots: torch.Tensor,
     activation: str | None = "silu",
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Triton twin of `causal_conv1d_update_ref`; no host sync (CUDA-graph safe)."""
     _check_activation(activation)
@@ -470,5 +479,7 @@ def causal_conv1d_update_triton(
         SILU=activation is not None,
         BLOCK_K=next_pow2(K - 1),
         BLOCK_C=block_c,
+        PDL=pdl,
+        **pdl_launch(pdl),
     )
     return y

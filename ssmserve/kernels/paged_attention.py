@@ -23,11 +23,14 @@ import torch
 
 from ssmserve.kernels._common import (
     check_shape,
+    gdc_launch_dependents,
+    gdc_wait,
     interpret_mode,
     launch_config,
     lazy_jit,
     next_pow2,
     num_sms,
+    pdl_launch,
     tl,
 )
 
@@ -54,6 +57,8 @@ def write_kv_cache_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    pdl: bool = False,
 ) -> None:
     """Scatter this step's keys and values into the paged caches, in place.
 
@@ -109,6 +114,7 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     num_decodes: int = 0,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Causal attention of packed queries over a paged KV cache, softmax in float32.
 
@@ -191,7 +197,11 @@ def _write_kv_kernel(
     stride_vc_d,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     block = slot // block_size
@@ -233,6 +243,8 @@ def write_kv_cache_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    pdl: bool = False,
 ) -> None:
     """Triton twin of `write_kv_cache_ref`; no host sync (CUDA-graph safe)."""
     T, KVH, Dh = _check_kv_write_args(k, v, k_cache, v_cache, slot_mapping)
@@ -253,6 +265,8 @@ def write_kv_cache_triton(
         *v_cache.stride(),
         BLOCK_H=next_pow2(KVH),
         BLOCK_D=next_pow2(Dh),
+        PDL=pdl,
+        **pdl_launch(pdl),
     )
 
 
@@ -328,7 +342,11 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -481,7 +499,11 @@ def _merge_splits_kernel(
     stride_o_d,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     part = (seq * tl.num_programs(1) + head).to(tl.int64) * num_splits
@@ -596,6 +618,7 @@ def paged_attention_triton(
     num_decodes: int = 0,
     decode_config: Mapping[str, Any] | None = None,
     prefill_config: Mapping[str, Any] | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Triton twin of `paged_attention_ref` (same arguments, shapes and result).
 
@@ -670,6 +693,8 @@ def paged_attention_triton(
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
             **meta,
+            PDL=pdl,
+            **pdl_launch(pdl),
         )
         if splits > 1:
             _merge_splits_kernel[(num_decodes, H)](
@@ -683,6 +708,8 @@ def paged_attention_triton(
                 # The splits' cap (a fixed tile, not one per split count), or above it.
                 BLOCK_S=max(_MAX_SPLITS, next_pow2(splits)),
                 BLOCK_D=block_d,
+                PDL=pdl,
+                **pdl_launch(pdl),
             )
     num_prefills = S - num_decodes
     if num_prefills > 0:
@@ -710,5 +737,7 @@ def paged_attention_triton(
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
             **meta,
+            PDL=pdl,
+            **pdl_launch(pdl),
         )
     return out

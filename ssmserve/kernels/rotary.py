@@ -13,7 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from ssmserve.kernels._common import check_shape, lazy_jit, next_pow2, tl
+from ssmserve.kernels._common import (
+    check_shape,
+    gdc_launch_dependents,
+    gdc_wait,
+    lazy_jit,
+    next_pow2,
+    pdl_launch,
+    tl,
+)
 
 
 def _check_rotary_args(
@@ -36,6 +44,7 @@ def rotary_embedding_ref(
     inv_freq: torch.Tensor,
     *,
     scaling: float = 1.0,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], k [T, KVH, D], positions [T], inv_freq [rotary_dim / 2] (float32)
     -> rotated q, k (new tensors)."""
@@ -74,7 +83,11 @@ def _rotary_kernel(
     stride_y_h,
     BLOCK_HALF: tl.constexpr,
     BLOCK_REST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     # One program per (token, head): rotate the first 2 * half dims, copy the rest.
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -101,7 +114,11 @@ def _rotary_kernel(
 
 
 def _rotate_triton(
-    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    scaling: float,
+    pdl: bool = False,
 ) -> torch.Tensor:
     T, H, D = x.shape
     half = inv_freq.shape[0]
@@ -127,6 +144,8 @@ def _rotate_triton(
         BLOCK_HALF=next_pow2(half),
         BLOCK_REST=next_pow2(rest) if rest else 0,
         num_warps=1,
+        PDL=pdl,
+        **pdl_launch(pdl),
     )
     return y
 
@@ -138,10 +157,11 @@ def rotary_embedding_triton(
     inv_freq: torch.Tensor,
     *,
     scaling: float = 1.0,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of `rotary_embedding_ref` (same arguments, shapes and result)."""
     _check_rotary_args(positions, q, k, inv_freq)
     return (
-        _rotate_triton(q, positions, inv_freq, scaling),
-        _rotate_triton(k, positions, inv_freq, scaling),
+        _rotate_triton(q, positions, inv_freq, scaling, pdl),
+        _rotate_triton(k, positions, inv_freq, scaling, pdl),
     )

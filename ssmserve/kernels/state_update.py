@@ -28,9 +28,12 @@ import torch.nn.functional as F
 from ssmserve.kernels._common import (
     cdiv,
     check_shape,
+    gdc_launch_dependents,
+    gdc_wait,
     launch_config,
     lazy_jit,
     next_pow2,
+    pdl_launch,
     process_dt,
     tl,
 )
@@ -99,6 +102,7 @@ def selective_state_update_ref(
     state_slots: torch.Tensor,
     rounding_offsets: torch.Tensor | None = None,
     rounding_seed: int = 0,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """One-token SSM update in PyTorch (float32 math), in place on the state pool.
 
@@ -225,7 +229,11 @@ def _state_update_kernel(
     ROUNDING: tl.constexpr,  # 0: to nearest; stochastic, 1: to bfloat16, 2: to float16
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     pid_p = tl.program_id(0)
     head = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)
@@ -385,6 +393,7 @@ def selective_state_update_triton(
     rounding_offsets: torch.Tensor | None = None,
     rounding_seed: int = 0,
     config: Mapping[str, Any] | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Triton twin of `selective_state_update_ref` (same arguments, shapes and result).
 
@@ -466,5 +475,7 @@ def selective_state_update_triton(
         BLOCK_P=block_p,
         BLOCK_N=block_n,
         num_warps=cfg["num_warps"],
+        PDL=pdl,
+        **pdl_launch(pdl),
     )
     return y
