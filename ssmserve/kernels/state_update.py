@@ -231,9 +231,6 @@ def _state_update_kernel(
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     pid_p = tl.program_id(0)
     head = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)
@@ -253,7 +250,14 @@ def _state_update_kernel(
         + offs_p[:, None] * stride_s_p
         + offs_n[None, :] * stride_s_n
     )
+    if PDL:
+        gdc_launch_dependents()
+    # With PDL the slots (the step's input) and this row's state are read before the wait:
+    # only this kernel writes the state, and the step before has finished (every step has
+    # launches without PDL, which wait for everything before them).
     state = tl.load(state_ptrs, mask=mask_pn, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_wait()
     x = tl.load(
         x_ptr + row * stride_x_b + head * stride_x_h + offs_p * stride_x_p, mask=mask_p, other=0.0
     ).to(tl.float32)
