@@ -77,6 +77,8 @@ class TrainOptions:
     # Greedy chat replies are scored at each of these penalties; the first is "chat".
     chat_repetition_penalties: tuple[float, ...] = (1.0,)
     readme_samples: bool = False
+    # A checkpoint of the same model to start from instead of a fresh initialisation.
+    init_from: Path | None = None
     threads: int | None = None
     # "auto": on CUDA, time eager steps, then torch.compile'd ones, and keep the faster
     # (eager on CPU); "on": compiled from the first step, a failure fails the run; "off".
@@ -148,6 +150,29 @@ def build_model(family: str, vocab_size: int, eos_id: int):
         )
         return MambaForCausalLM(config)
     raise ValueError(f"unknown family {family!r}; choose from {', '.join(MODEL_NAMES)}")
+
+
+# Configuration keys a saved checkpoint adds to build_model's.
+SAVED_ONLY = ("architectures", "dtype", "transformers_version")
+
+
+def load_model(path: Path, family: str, vocab_size: int, eos_id: int):
+    """A saved checkpoint of the family, in float32, to train further (``--init-from``):
+    its configuration must be the one build_model makes, so the result is the same model
+    shape as a fresh run's."""
+    from transformers import AutoModelForCausalLM
+
+    expected = build_model(family, vocab_size, eos_id).config.to_diff_dict()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    found = model.config.to_diff_dict()
+    keys = sorted(expected.keys() | found.keys())
+    differ = [k for k in keys if k not in SAVED_ONLY and expected.get(k) != found.get(k)]
+    if differ:
+        raise ValueError(
+            f"{path} is not a {family} of build_model's shape: {differ[:5]} differ; "
+            "--init-from takes a checkpoint of this script's model"
+        )
+    return model
 
 
 def param_groups(model, weight_decay: float):
@@ -528,7 +553,11 @@ def _train(options: TrainOptions) -> dict:
     default_seq_len, default_batch = BATCH_SHAPE[family]
     seq_len = options.seq_len or default_seq_len
     batch_size = options.batch_size or default_batch
-    model = build_model(family, len(tokenizer), tokenizer.eos_token_id).to(device)
+    if options.init_from is not None:
+        model = load_model(options.init_from, family, len(tokenizer), tokenizer.eos_token_id)
+    else:
+        model = build_model(family, len(tokenizer), tokenizer.eos_token_id)
+    model = model.to(device)
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
         "[%s] %.2fM parameters, %d train tokens, batch %d x %d, training for %.1f minutes",
@@ -572,6 +601,7 @@ def _train(options: TrainOptions) -> dict:
         "minutes": options.minutes,
         "max_steps": options.max_steps,
         "seed": options.seed,
+        "init_from": None if options.init_from is None else str(options.init_from),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "train_tokens": int(stream.numel()),

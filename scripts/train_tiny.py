@@ -381,6 +381,13 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--lr", type=float, default=None, help="peak LR (default: per family)")
     t.add_argument("--warmup-steps", type=int, default=50)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="continue from this checkpoint of the same model (e.g. the bundled one) instead "
+        "of a fresh initialisation; warm-up and cosine run as in a fresh run (set --lr)",
+    )
     t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     t.add_argument("--log-every-seconds", type=float, default=10.0)
     t.add_argument("--save-every-minutes", type=float, default=1.0)
@@ -444,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             chat_eval_prompts=args.chat_eval_prompts,
             chat_repetition_penalties=tuple(args.chat_repetition_penalty),
             readme_samples=args.readme_samples,
+            init_from=args.init_from,
             compile=args.compile,
             probe_steps=args.probe_steps,
             threads=args.threads,

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+import ssmserve
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
@@ -224,3 +226,40 @@ def test_time_bounded_training_run_saves_and_evaluates(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.dtype == torch.bfloat16
     assert model.config.attn_layer_indices == [2, 5, 8]
+
+
+def test_training_continues_from_a_checkpoint_of_the_same_model(tmp_path):
+    """--init-from: a run of zero steps from the bundled Bamba saves its weights bit for
+    bit (the run started from them, not from a fresh initialisation); a checkpoint of
+    another shape is refused by name."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    bundled = Path(ssmserve.__file__).parent / "model_data"
+    tokenizer = AutoTokenizer.from_pretrained(BUNDLED_TOKENIZER)
+    write_data_dir(tmp_path, tokenizer)
+    options = tiny_trainer.TrainOptions(
+        data_dir=tmp_path,
+        out_dir=tmp_path / "out",
+        family="bamba",
+        minutes=1.0,
+        max_steps=0,
+        seq_len=64,
+        batch_size=2,
+        device="cpu",
+        weights_only=True,
+        chat_eval_prompts=1,
+        chat_max_new_tokens=4,
+        init_from=bundled / "ssmserve-bamba-tiny",
+    )
+    report = tiny_trainer.train(options)
+    assert report["status"] == "done" and report["steps"] == 0
+    assert report["init_from"] == str(bundled / "ssmserve-bamba-tiny")
+    saved = load_file(tmp_path / "out" / "ssmserve-bamba-tiny" / "model.safetensors")
+    original = load_file(bundled / "ssmserve-bamba-tiny" / "model.safetensors")
+    assert saved.keys() == original.keys()
+    assert all(torch.equal(saved[k], original[k]) for k in original)
+
+    options.init_from = bundled / "ssmserve-mamba2-tiny"
+    with pytest.raises(ValueError, match="not a bamba of build_model's shape"):
+        tiny_trainer.train(options)
