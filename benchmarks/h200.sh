@@ -15,7 +15,7 @@
 #   tests        GPU kernel, model and CUDA-graph tests (a call of its own)      ~5 min
 #   kernels      state update (Mamba1 regrouped and Mamba2) and MoE launch sizes ~3 min
 #   pdl          bench_pdl.py's chains; batch-1 Mamba2-2.7B, Bamba-9B with and without --decode-pdl
-#   pdl2         batch-1 Llama-3-8B, Mamba-2.8B with and without --decode-pdl
+#   pdl2         batch-1 Llama-3-8B, Mamba-2.8B with and without --decode-pdl; Mamba2-2.7B profiles
 #   latency      batch-1 decode at 2k: Bamba-9B, Llama-3-8B, Mamba2-2.7B, Mamba-2.8B ~5 min
 #   prefill      one 2k prefill (Mamba2-2.7B, caching on / off); Bamba-9B TTFT 32k, 128k ~6 min
 #   step         engine step minus forward, Bamba-9B at 256 running; Bamba b484 decode profile ~5 min
@@ -75,6 +75,11 @@ section() {
     pdl2)
         for model in llama-3-8b mamba-2.8b; do
             latency_b1 $model "" && latency_b1 $model _pdl --decode-pdl || return
+        done
+        for flag in --no-decode-pdl --decode-pdl; do
+            python3 benchmarks/decode_profile.py --model "$configs/mamba2-2.7b" "${dummy[@]}" \
+                --batch-size 1 --context 2048 --profile --top 16 $flag \
+                --json "$dir/decode_profile_mamba2-2.7b_b1_2k_${flag#--}.json" || return
         done
         ;;
     latency)
