@@ -99,11 +99,12 @@ def test_fused_mamba2_decode_gives_the_tokens_of_the_unfused_kernels(
     assert_same_greedy_outputs(unfused_out, fused)
 
 
-@pytest.mark.parametrize("variant", ["bamba", "mamba2"])
+@pytest.mark.parametrize("variant", ["bamba"])
 def test_one_row_gemv_gives_the_tokens_of_f_linear(checkpoint, variant):
     """With the linears of one row through the Triton GEMV (what --decode-pdl runs, here
     without PDL, which needs an sm_90 GPU): the greedy tokens and logprobs of F.linear,
-    over a one-token prompt's prefill and the decode steps of one sequence."""
+    over a one-token prompt's prefill and the decode steps of one sequence. Bamba has
+    every kind of linear: the Mamba2 projections, attention's, the MLP's, the LM head."""
     from ssmserve.kernels.gemv import gemv_triton
 
     prompts = [{"prompt_token_ids": [7]}, "def hello(x):\n    return"]
