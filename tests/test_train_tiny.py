@@ -186,24 +186,34 @@ def write_data_dir(path: Path, tokenizer) -> None:
     (path / "meta.json").write_text(json.dumps(meta))
 
 
-def test_time_bounded_training_run_saves_and_evaluates(tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def cpu_run(tmp_path: Path, **options) -> tiny_trainer.TrainOptions:
+    """A data folder in tmp_path (write_data_dir) and the options of a small Bamba run on
+    it on the CPU, writing to tmp_path / "out"; `options` adds the run's own."""
+    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(BUNDLED_TOKENIZER)
-    write_data_dir(tmp_path, tokenizer)
-    options = tiny_trainer.TrainOptions(
+    write_data_dir(tmp_path, AutoTokenizer.from_pretrained(BUNDLED_TOKENIZER))
+    return tiny_trainer.TrainOptions(
         data_dir=tmp_path,
         out_dir=tmp_path / "out",
         family="bamba",
-        minutes=0.05,
         seq_len=64,
         batch_size=2,
-        warmup_steps=2,
         device="cpu",
-        log_every_seconds=1.0,
-        save_every_minutes=0.02,
         weights_only=True,
         chat_eval_prompts=1,
+        **options,
+    )
+
+
+def test_time_bounded_training_run_saves_and_evaluates(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    options = cpu_run(
+        tmp_path,
+        minutes=0.05,
+        warmup_steps=2,
+        log_every_seconds=1.0,
+        save_every_minutes=0.02,
         chat_max_new_tokens=8,
     )
     report = tiny_trainer.train(options)
@@ -233,22 +243,12 @@ def test_training_continues_from_a_checkpoint_of_the_same_model(tmp_path):
     bit (the run started from them, not from a fresh initialisation); a checkpoint of
     another shape is refused by name."""
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
 
     bundled = Path(ssmserve.__file__).parent / "model_data"
-    tokenizer = AutoTokenizer.from_pretrained(BUNDLED_TOKENIZER)
-    write_data_dir(tmp_path, tokenizer)
-    options = tiny_trainer.TrainOptions(
-        data_dir=tmp_path,
-        out_dir=tmp_path / "out",
-        family="bamba",
+    options = cpu_run(
+        tmp_path,
         minutes=1.0,
         max_steps=0,
-        seq_len=64,
-        batch_size=2,
-        device="cpu",
-        weights_only=True,
-        chat_eval_prompts=1,
         chat_max_new_tokens=4,
         init_from=bundled / "ssmserve-bamba-tiny",
     )

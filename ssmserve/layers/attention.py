@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -230,9 +232,17 @@ def _cudnn_usable(q: torch.Tensor) -> bool:
         and q.dtype in _CUDNN_DTYPES
         and q.shape[-1] % 8 == 0
         and q.shape[-1] <= 128
-        and torch.backends.cudnn.is_available()
-        and torch.cuda.get_device_capability(q.device) == (9, 0)
+        and _sm90_with_cudnn(q.device.index)
     )
+
+
+@functools.cache
+def _sm90_with_cudnn(device_index: int | None) -> bool:
+    """The device half of `_cudnn_usable`, asked once per GPU (every long chunk of every
+    attention layer asks)."""
+    return torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(
+        device_index
+    ) == (9, 0)
 
 
 def _cudnn_attention(

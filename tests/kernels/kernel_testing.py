@@ -6,7 +6,12 @@ twins, so a bug in the chunked algebra cannot hide in both.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -122,3 +127,18 @@ def naive_conv1d(x, weight, bias, context, activation):
         y[t] = F.silu(acc) if activation == "silu" else acc
     new_context = torch.stack(window[len(window) - (K - 1) :], dim=1)
     return y, new_context
+
+
+def run_benchmark_tiny(script: str, sections: str, tmp_path: Path) -> dict:
+    """benchmarks/kernels/<script> --tiny --sections <sections> in its own process (Triton's
+    interpreter without a GPU): its results JSON, after asserting that it exited 0."""
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / (Path(script).stem + ".json")
+    argv = [sys.executable, str(root / "benchmarks" / "kernels" / script), "--tiny"]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [*argv, "--sections", sections, "--out", str(out)],
+        cwd=root, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())

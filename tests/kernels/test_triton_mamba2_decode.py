@@ -9,16 +9,11 @@ both states (see the ordering note in ssmserve/kernels/mamba2_decode.py).
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from kernel_testing import assert_close, randn, seeded
+from kernel_testing import assert_close, randn, run_benchmark_tiny, seeded
 from triton_testing import DEVICE, requires_triton
 
 from ssmserve.kernels import mamba2_decode
@@ -266,16 +261,7 @@ def test_bad_arguments_are_errors():
 def test_benchmark_tiny_smoke_run(tmp_path):
     """benchmarks/kernels/bench_mamba2_decode.py --tiny runs, its checks pass, and it times
     both the fused kernel and the two launches it replaces."""
-    root = Path(__file__).resolve().parents[2]
-    out = tmp_path / "mamba2_decode.json"
-    script = root / "benchmarks" / "kernels" / "bench_mamba2_decode.py"
-    argv = [sys.executable, str(script), "--tiny", "--sections", "accuracy,sizes"]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    done = subprocess.run(
-        [*argv, "--out", str(out)], cwd=root, env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads(out.read_text())
+    results = run_benchmark_tiny("bench_mamba2_decode.py", "accuracy,sizes", tmp_path)
     assert not results["errors"]
     assert results["checks"] and all(c["ok"] for c in results["checks"])
     paths = {t["config"] for t in results["timings"]}
