@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from typing import Any
@@ -66,7 +67,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="address to bind (default 127.0.0.1; 0.0.0.0 for all interfaces)",
     )
-    g.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    g.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="port to bind (default 8000; 0: a free one, named in the start-up lines)",
+    )
     g.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
@@ -118,6 +124,13 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         return 2
     model = args.model_tag or args.model
+    # Bound before the engine loads: a busy port fails at once, and tensor-parallel
+    # workers' ephemeral gloo ports can never take it while the model loads.
+    try:
+        sock = _bind_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
     try:
         options = ServerOptions(
             **{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerOptions)}
@@ -125,11 +138,14 @@ def run_serve(args: argparse.Namespace) -> int:
         config = EngineConfig.from_args(args, model=model)
         async_engine = AsyncLLMEngine.from_config(config)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        sock.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
     names = args.served_model_name or [model or async_engine.model_name]
     app = build_app(async_engine, names, api_key=args.api_key, options=options)
-    for line in _startup_lines(async_engine.engine, names, f"http://{args.host}:{args.port}"):
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    for line in _startup_lines(async_engine.engine, names, url):
         print(f"ssmserve: {line}", file=sys.stderr, flush=True)
     uvicorn_config = uvicorn.Config(
         app,
@@ -147,9 +163,25 @@ def run_serve(args: argparse.Namespace) -> int:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _after_graceful_shutdown)
-    server.run()
+    server.run(sockets=[sock])
     logger.info("server stopped")
     return 0
+
+
+def _bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: a free one), as uvicorn would bind it."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _startup_lines(engine: Any, names: list[str], url: str) -> list[str]:

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -140,6 +141,19 @@ def test_version_and_bad_log_level():
     assert bad.stderr.strip().splitlines() == [
         "error: --log-level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL; got 'loud'"
     ]
+
+
+def test_a_busy_port_fails_before_the_model_loads(tmp_path):
+    # The port is bound first, so the error names it although the model does not exist.
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        missing = str(tmp_path / "no-such-model")
+        result = _cli("serve", missing, "--port", str(port), "--device", "cpu")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}: "), result.stderr
+    assert "no-such-model" not in result.stderr
 
 
 def test_startup_lines_name_model_device_cache_and_url(served_process, bamba_checkpoint):
