@@ -21,10 +21,12 @@
 #   step         engine step minus forward, Bamba-9B at 256 running; Bamba b484 decode profile ~5 min
 #   throughput   256 x 1k in / 1k out: Bamba-9B, Llama-3-8B, Jamba-Mini-1.7  ~8 min
 #   long         1k in / 8k out at each model's largest batch, fp32 and bf16 state ~6 min
+#   dbo          decode steps with and without --enable-dbo: Bamba-9B b320 bf16 state and
+#                b256 fp32 state, Llama-3-8B b96, all at 5k context (fits one H100) ~6 min
 set -uo pipefail
 
 if [ $# -lt 2 ]; then
-    sed -n '2,22p' "$0"
+    sed -n '2,24p' "$0"
     exit 2
 fi
 export SSMSERVE_COMMIT=$1
@@ -114,6 +116,16 @@ section() {
         python3 benchmarks/long_outputs.py "${dummy[@]}" --models "$configs/bamba-9b" \
             "$configs/llama-3-8b" --state-dtypes float32 bfloat16 --window 48 \
             --json "$dir/long_outputs_h200.json"
+        ;;
+    dbo)
+        for shape in "bamba-9b 320 bfloat16" "bamba-9b 256 float32" "llama-3-8b 96 float32"; do
+            set -- $shape
+            for flag in --no-enable-dbo --enable-dbo; do
+                python3 benchmarks/decode_profile.py --model "$configs/$1" "${dummy[@]}" \
+                    --batch-size "$2" --context 5120 --iters 10 --mamba-ssm-cache-dtype "$3" \
+                    $flag --json "$dir/decode_profile_$1_b$2_5k_$3_${flag#--}.json" || return
+            done
+        done
         ;;
     *)
         echo "unknown section $1 (see the head of $0)" >&2
