@@ -159,8 +159,14 @@ def readme_block(results: dict, meta: dict) -> str:
             f"{len(meta['train_packages'])} permissively licensed packages, with 21 stdlib "
             "modules and 3 packages held out, plus chat conversations synthesized from "
             "documented functions, whose assistant turns end with EOS (that is how a reply "
-            "learns to stop). It has its own 4096-token byte-level BPE tokenizer and a chat "
-            "template."
+            "learns to stop)"
+            + (
+                f", and short functions written from {meta['sources']['synthetic']['tasks']} "
+                "task descriptions (scripts/tiny_synth.py, none about primes)"
+                if "synthetic" in meta["sources"]
+                else ""
+            )
+            + ". It has its own 4096-token byte-level BPE tokenizer and a chat template."
         ),
         "",
         "| held out (never trained on) | this model | previous model |",
@@ -298,6 +304,18 @@ def card_block(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _synthetic_row(sources: dict) -> list[str]:
+    """The corpus table's row for scripts/tiny_synth.py's functions (newer corpora)."""
+    synth = sources.get("synthetic")
+    if synth is None:
+        return []
+    return [
+        f"| short functions from {synth['tasks']} task descriptions (`tiny_synth.py`; none "
+        f"about primes) | {synth['files']:,} modules, {synth['conversations']:,} "
+        f"conversations | – | {synth['tokens']:,} |"
+    ]
+
+
 def corpus_block(meta: dict) -> str:
     sources = meta["sources"]
     lines = [
@@ -314,6 +332,7 @@ def corpus_block(meta: dict) -> str:
         f"{sources['third_party']['bytes']:,} | {sources['third_party']['tokens']:,} |",
         f"| chat conversations | {sources['chat']['conversations']:,} | – | "
         f"{sources['chat']['tokens']:,} |",
+        *_synthetic_row(sources),
         f"| **stream** | | | **{meta['num_train_tokens']:,}** "
         f"({meta['train_tokens_file_bytes'] / 1e6:.1f} MB as `train_tokens.u16.xz`) |",
         "",

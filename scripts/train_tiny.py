@@ -7,7 +7,8 @@ the corpus, and training can run on another machine (with no network):
    site-packages listed in scripts/tiny_corpus.py, hold out the validation
    modules and packages (and drop training files that copy them), synthesize
    chat conversations from the training files' documented functions
-   (scripts/tiny_chat.py), tokenize everything with the bundled tokenizer, and
+   (scripts/tiny_chat.py), add short functions written from task descriptions
+   (scripts/tiny_synth.py), tokenize everything with the bundled tokenizer, and
    write one data folder::
 
        python scripts/train_tiny.py prepare --data-dir .data/tiny
@@ -46,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import eval_tiny  # noqa: E402
 import tiny_chat  # noqa: E402
 import tiny_corpus  # noqa: E402
+import tiny_synth  # noqa: E402
 import tiny_trainer  # noqa: E402
 
 logger = logging.getLogger("train_tiny")
@@ -62,6 +64,10 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|assistant|>\n' }}{%- endif -%}"
 )
+# Short functions written from task descriptions (scripts/tiny_synth.py): modules of a few
+# functions, and chat exchanges per task.
+SYNTH_DOCUMENTS = 3000
+SYNTH_CHATS_PER_TASK = 100
 # Held-out chat prompts whose reference answer fits well inside the 256 tokens
 # the stop-rate evaluation allows.
 MAX_HELDOUT_REPLY_TOKENS = 200
@@ -217,7 +223,11 @@ def prepare(data_dir: Path, new_tokenizer: bool, max_train_files: int | None, se
     names = sorted(train)
     file_ids = tokenizer([train[n] for n in names], add_special_tokens=False)["input_ids"]
     is_stdlib = [not n.startswith("site-packages/") for n in names]
-    documents = file_ids + chat_ids
+    synth_docs = tiny_synth.documents(seed=seed, count=SYNTH_DOCUMENTS)
+    synth_chats = tiny_synth.conversations(seed=seed, per_task=SYNTH_CHATS_PER_TASK)
+    synth_ids = tokenizer(list(synth_docs.values()), add_special_tokens=False)["input_ids"]
+    synth_ids += encode_conversations(tokenizer, synth_chats)
+    documents = file_ids + chat_ids + synth_ids
     order = list(range(len(documents)))
     random.Random(seed).shuffle(order)
     eos = tokenizer.eos_token_id
@@ -264,6 +274,13 @@ def prepare(data_dir: Path, new_tokenizer: bool, max_train_files: int | None, se
             "chat": {
                 "conversations": len(conversations),
                 "tokens": sum(len(ids) + 1 for ids in chat_ids),
+            },
+            "synthetic": {
+                "files": len(synth_docs),
+                "conversations": len(synth_chats),
+                "tasks": len(tiny_synth.TASKS),
+                "bytes": num_bytes(synth_docs),
+                "tokens": sum(len(ids) + 1 for ids in synth_ids),
             },
         },
         "num_train_tokens": int(stream.size),

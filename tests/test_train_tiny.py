@@ -25,6 +25,7 @@ sys.path.insert(0, str(SCRIPTS))
 import fast_ssd  # noqa: E402
 import tiny_chat  # noqa: E402
 import tiny_corpus  # noqa: E402
+import tiny_synth  # noqa: E402
 import tiny_trainer  # noqa: E402
 import train_tiny  # noqa: E402
 
@@ -157,6 +158,44 @@ def test_chat_conversations_tokenize_as_inference_sees_them():
         text = tokenizer.decode(ids)
         assert text.endswith(conversation[-1]["content"] + "\n")  # the EOS follows in the stream
         assert text.count("<|assistant|>") == sum(m["role"] == "assistant" for m in conversation)
+
+
+def _variant_sources(task):
+    """Every (name, args, body) combination of a synthetic task, rendered with examples."""
+    for name in task.names:
+        for args in task.args:
+            for body in task.bodies:
+                yield name, tiny_synth.render(task, name, args, task.says[0], body, True)[0]
+
+
+@pytest.mark.parametrize("task", tiny_synth.TASKS, ids=lambda t: t.names[0])
+def test_synthetic_functions_compute_their_reference(task):
+    """Every way a synthetic task is written returns what its reference does on every
+    sample, and the doctest examples it shows are true (run by doctest)."""
+    import copy
+    import doctest
+
+    for name, source in _variant_sources(task):
+        namespace = {}
+        exec(compile(source, f"<{name}>", "exec"), namespace)
+        for sample in task.samples:
+            assert namespace[name](*copy.deepcopy(sample)) == task.ref(*sample), (source, sample)
+        doc = namespace[name].__doc__
+        test = doctest.DocTestParser().get_doctest(doc, namespace, name, None, 0)
+        assert len(test.examples) == 2
+        assert doctest.DocTestRunner().run(test, out=lambda _: None).failed == 0, source
+
+
+def test_synthetic_data_never_shows_the_readme_prompts():
+    """The README's samples must answer prompts the model never saw: no synthetic text
+    holds a README prompt marker, or mentions primes at all."""
+    texts = [m["content"] for c in tiny_synth.conversations(per_task=30) for m in c]
+    texts += tiny_synth.documents(count=200).values()
+    assert len(texts) > 2 * 30 * len(tiny_synth.TASKS)
+    for text in texts:
+        assert "prime" not in text.lower(), text
+        assert not any(marker in text for marker in tiny_corpus.README_PROMPT_MARKERS)
+    assert any("is_palindrome(" in t for t in texts)
 
 
 def test_heldout_code_cannot_reach_training():
