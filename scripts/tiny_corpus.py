@@ -317,25 +317,6 @@ def package_documents(name: str, cap: int | None, root: Path | None = None) -> d
     return dict(sorted(docs.items()))
 
 
-# ---------------------------------------------------------------- README prompts
-
-# NOTE: the README's own prompts (`ssmserve generate "def is_prime(n):"` and the chat
-# example of scripts/install_tiny.py, README_CHAT_PROMPT). A training file that holds
-# one of these is left out, so that the README's samples answer prompts the model
-# never saw (flask's docs, for one, define an `is_prime(n)` template filter).
-README_PROMPT_MARKERS: tuple[str, ...] = (
-    "def is_prime(",
-    "is_prime(n)",
-    "if n is a prime",
-)
-
-
-def readme_prompt_filter(train: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    """Training documents that hold none of README_PROMPT_MARKERS, and the paths left out."""
-    kept = {p: t for p, t in train.items() if not any(m in t for m in README_PROMPT_MARKERS)}
-    return kept, sorted(set(train) - set(kept))
-
-
 # -------------------------------------------------------------------- leakage
 
 SHINGLE_LINES = 3

@@ -162,7 +162,7 @@ def readme_block(results: dict, meta: dict) -> str:
             "learns to stop)"
             + (
                 f", and short functions written from {meta['sources']['synthetic']['tasks']} "
-                "task descriptions (scripts/tiny_synth.py, none about primes)"
+                "task descriptions (scripts/tiny_synth.py), `is_prime` among them"
                 if "synthetic" in meta["sources"]
                 else ""
             )
@@ -184,6 +184,9 @@ def readme_block(results: dict, meta: dict) -> str:
         para(
             f"The previous model is {PREVIOUS['description']}. "
             f"transformers and ssmserve compute the same figures (to {worst:.0e} relative). "
+            "`is_prime` is one of the short functions it was trained on "
+            "(`scripts/tiny_synth.py`), so these samples show what it learned, not what it "
+            "makes of a request it never saw (for those, see docs/bundled_model.md). "
             "What it writes, greedy, with the sampling defaults of its generation_config.json "
             f"(repetition penalty {penalty}), which `ssmserve serve` and "
             "`LLM.get_default_sampling_params()` use:"
@@ -310,8 +313,8 @@ def _synthetic_row(sources: dict) -> list[str]:
     if synth is None:
         return []
     return [
-        f"| short functions from {synth['tasks']} task descriptions (`tiny_synth.py`; none "
-        f"about primes) | {synth['files']:,} modules, {synth['conversations']:,} "
+        f"| short functions from {synth['tasks']} task descriptions (`tiny_synth.py`, "
+        f"`is_prime` among them) | {synth['files']:,} modules, {synth['conversations']:,} "
         f"conversations | – | {synth['tokens']:,} |"
     ]
 
@@ -371,17 +374,6 @@ def corpus_block(meta: dict) -> str:
             "files): " + ", ".join(f"`{path}`" for path in leaked) + "."
         ),
     ]
-    readme = meta.get("left_out_for_readme_prompts")  # data folders since f48db19
-    if readme is not None:
-        listed = ", ".join(f"`{path}`" for path in readme) or "none"
-        lines += [
-            "",
-            para(
-                "Left out because they hold the README's prompts "
-                f"(`tiny_corpus.README_PROMPT_MARKERS`; {len(readme)} "
-                f"file{'' if len(readme) == 1 else 's'}): {listed}."
-            ),
-        ]
     return "\n".join(lines)
 
 

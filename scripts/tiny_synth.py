@@ -17,10 +17,12 @@ Each task gives:
   the function in a python fence (and sometimes "What does this function do?");
 - plain source documents of a few functions each, as a module would hold them.
 
-NOTE: no task is about prime numbers: the README's prompts (`def is_prime(n):` and the
-chat request for `is_prime(n)`) must stay prompts the model never saw answered
-(README_PROMPT_MARKERS in scripts/tiny_corpus.py); a test checks that no text here
-mentions them.
+NOTE: `is_prime` is one of the tasks, so the README's samples (`ssmserve generate "def
+is_prime(n):"` and the chat request for `is_prime(n)`) show a function the model was
+trained on, and the README says so. A first run without it (2026-12-06, one H100, 8
+minutes) answered the chat request with `return n % 2 == 0`: at 7.8 M parameters the
+model recalls the nearest function it saw rather than composing a new one (held-out
+requests like "sum of the squares" got `return sum(numbers)`).
 """
 
 from __future__ import annotations
@@ -313,6 +315,54 @@ TASKS: tuple[Task, ...] = (
         """,
         lambda n: n > 0 and n & (n - 1) == 0,
         [(8,), (12,), (1,)],
+    ),
+    _t(
+        "is_prime",
+        "n|number|x",
+        (
+            "return True if @0 is a prime",
+            "return True if @0 is a prime number",
+            "check whether @0 is prime",
+        ),
+        """
+        if @0 < 2:
+            return False
+        for i in range(2, @0):
+            if @0 % i == 0:
+                return False
+        return True
+        ---
+        if @0 < 2:
+            return False
+        i = 2
+        while i * i <= @0:
+            if @0 % i == 0:
+                return False
+            i += 1
+        return True
+        ---
+        if @0 < 2:
+            return False
+        return all(@0 % i != 0 for i in range(2, int(@0 ** 0.5) + 1))
+        """,
+        lambda n: n >= 2 and all(n % i for i in range(2, n)),
+        [(2,), (15,), (17,), (1,)],
+    ),
+    _t(
+        "primes_up_to|primes",
+        "n|limit",
+        "return a list of the prime numbers up to and including @0",
+        """
+        result = []
+        for candidate in range(2, @0 + 1):
+            if all(candidate % i != 0 for i in range(2, candidate)):
+                result.append(candidate)
+        return result
+        ---
+        return [k for k in range(2, @0 + 1) if all(k % i for i in range(2, k))]
+        """,
+        lambda n: [k for k in range(2, n + 1) if all(k % i for i in range(2, k))],
+        [(10,), (1,), (20,)],
     ),
     _t(
         "count_divisors|num_divisors",

@@ -143,9 +143,6 @@ def collect_corpus(max_train_files: int | None) -> dict:
     for path, shared in sorted(dropped.items()):
         why = "duplicate" if shared < 0 else f"{shared} line runs shared with held-out code"
         logger.info("left out %s: %s", path, why)
-    train, readme_dropped = tiny_corpus.readme_prompt_filter(train)
-    for path in readme_dropped:
-        logger.info("left out %s: holds a README prompt", path)
     return {
         "train": train,
         "heldout": heldout,
@@ -153,7 +150,6 @@ def collect_corpus(max_train_files: int | None) -> dict:
         "packages": packages,
         "heldout_packages": heldout_packages,
         "dropped": dropped,
-        "readme_dropped": readme_dropped,
     }
 
 
@@ -259,7 +255,6 @@ def prepare(data_dir: Path, new_tokenizer: bool, max_train_files: int | None, se
         "heldout_chat_prompts": len(records),
         "train_packages": corpus["packages"],
         "left_out_for_leakage": {k: v for k, v in sorted(corpus["dropped"].items()) if v >= 0},
-        "left_out_for_readme_prompts": corpus["readme_dropped"],
         "sources": {
             "stdlib": {
                 "files": sum(is_stdlib),

@@ -23,6 +23,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import fast_ssd  # noqa: E402
+import install_tiny  # noqa: E402
 import tiny_chat  # noqa: E402
 import tiny_corpus  # noqa: E402
 import tiny_synth  # noqa: E402
@@ -186,16 +187,18 @@ def test_synthetic_functions_compute_their_reference(task):
         assert doctest.DocTestRunner().run(test, out=lambda _: None).failed == 0, source
 
 
-def test_synthetic_data_never_shows_the_readme_prompts():
-    """The README's samples must answer prompts the model never saw: no synthetic text
-    holds a README prompt marker, or mentions primes at all."""
-    texts = [m["content"] for c in tiny_synth.conversations(per_task=30) for m in c]
-    texts += tiny_synth.documents(count=200).values()
-    assert len(texts) > 2 * 30 * len(tiny_synth.TASKS)
-    for text in texts:
-        assert "prime" not in text.lower(), text
-        assert not any(marker in text for marker in tiny_corpus.README_PROMPT_MARKERS)
-    assert any("is_palindrome(" in t for t in texts)
+def test_synthetic_conversations_tokenize_as_inference_sees_them():
+    """The synthetic exchanges go through the same prefix-stable chat encoding as the
+    corpus's, and the README's chat request is one of them, word for word."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(BUNDLED_TOKENIZER)
+    conversations = tiny_synth.conversations(per_task=4)
+    assert len(conversations) == 4 * len(tiny_synth.TASKS)
+    encoded = train_tiny.encode_conversations(tokenizer, conversations)  # raises if not
+    assert all(ids[-1] != tokenizer.eos_token_id for ids in encoded)
+    requests = {c[0]["content"] for c in tiny_synth.conversations(per_task=100)}
+    assert install_tiny.README_CHAT_PROMPT in requests
 
 
 def test_heldout_code_cannot_reach_training():
