@@ -296,12 +296,13 @@ def write_prompt_snippets(
     chat_records: list[dict] | None,
     count: int = 64,
     num_chars: int = 400,
+    chats_per_source: int = 8,
 ) -> None:
     """Deterministic cuts of the held-out documents, and held-out chat prompts, for the tests.
 
     Cut i starts at the beginning of a line near fraction i / count of the documents
-    concatenated in sorted order. The chat prompts are the first two stdlib and the
-    first two third-party named write requests of ``chat_heldout.json`` whose
+    concatenated in sorted order. The chat prompts are the first ``chats_per_source``
+    stdlib and as many third-party named write requests of ``chat_heldout.json`` whose
     reference answer is at most 100 tokens.
     """
     names = sorted(documents)
@@ -330,8 +331,9 @@ def write_prompt_snippets(
             for r in chat_records
             if "`" in r["messages"][0]["content"] and r["reference_tokens"] <= 100
         ]
-        stdlib = [r for r in named if not r["source"].startswith("site-packages/")][:2]
-        third_party = [r for r in named if r["source"].startswith("site-packages/")][:2]
+        stdlib = [r for r in named if not r["source"].startswith("site-packages/")]
+        third_party = [r for r in named if r["source"].startswith("site-packages/")]
+        stdlib, third_party = stdlib[:chats_per_source], third_party[:chats_per_source]
         payload["chat"] = [
             {"source": r["source"], "messages": r["messages"]} for r in stdlib + third_party
         ]

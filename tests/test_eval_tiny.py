@@ -36,7 +36,7 @@ def folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def records() -> list[dict]:
     data = resources.files("ssmserve").joinpath("model_data", "heldout_prompts.json")
-    return json.loads(data.read_text(encoding="utf-8"))["chat"]
+    return json.loads(data.read_text(encoding="utf-8"))["chat"][:4]
 
 
 def replies(llm, records: list[dict], repetition_penalty: float) -> list[str]:
