@@ -21,8 +21,8 @@
 #   step         engine step minus forward, Bamba-9B at 256 running; Bamba b484 decode profile ~5 min
 #   throughput   256 x 1k in / 1k out: Bamba-9B, Llama-3-8B, Jamba-Mini-1.7  ~8 min
 #   long         1k in / 8k out at each model's largest batch, fp32 and bf16 state ~6 min
-#   dbo          decode steps with and without --enable-dbo: Bamba-9B b320 bf16 state and
-#                b256 fp32 state, Llama-3-8B b96, all at 5k context (fits one H100) ~6 min
+#   dbo          Bamba-9B decode steps with and without --enable-dbo (split at any size):
+#                b512 bf16 state at 2k context, b256 fp32 state at 5k (fit one H100) ~4 min
 set -uo pipefail
 
 if [ $# -lt 2 ]; then
@@ -118,12 +118,15 @@ section() {
             --json "$dir/long_outputs_h200.json"
         ;;
     dbo)
-        for shape in "bamba-9b 320 bfloat16" "bamba-9b 256 float32" "llama-3-8b 96 float32"; do
+        for shape in "512 bfloat16 2048" "256 float32 5120"; do
             set -- $shape
-            for flag in --no-enable-dbo --enable-dbo; do
-                python3 benchmarks/decode_profile.py --model "$configs/$1" "${dummy[@]}" \
-                    --batch-size "$2" --context 5120 --iters 10 --mamba-ssm-cache-dtype "$3" \
-                    $flag --json "$dir/decode_profile_$1_b$2_5k_$3_${flag#--}.json" || return
+            for dbo in off on; do
+                flags=(--no-enable-dbo)
+                [ $dbo = off ] || flags=(--enable-dbo --dbo-decode-token-threshold 2)
+                python3 benchmarks/decode_profile.py --model "$configs/bamba-9b" "${dummy[@]}" \
+                    --batch-size "$1" --context "$3" --iters 10 --mamba-ssm-cache-dtype "$2" \
+                    "${flags[@]}" --json "$dir/decode_profile_bamba-9b_b$1_$3_$2_dbo_$dbo.json" ||
+                    return
             done
         done
         ;;

@@ -269,7 +269,9 @@ class EngineConfig:
         "attention (one GPU, no pipeline stages; experimental, docs/kernels.md)",
     )
     dbo_decode_token_threshold: int = _flag(
-        128, "the smallest decode step --enable-dbo splits (at least 2)"
+        384,
+        "the smallest decode step --enable-dbo splits (at least 2; the default keeps each "
+        "half's GEMMs compute-bound on an H100 or H200, docs/kernels.md)",
     )
     generation_config: str = _flag(
         "auto",
