@@ -26,7 +26,7 @@
 set -uo pipefail
 
 if [ $# -lt 2 ]; then
-    sed -n '2,24p' "$0"
+    sed -n '2,25p' "$0"
     exit 2
 fi
 export SSMSERVE_COMMIT=$1
