@@ -13,6 +13,7 @@
 # Rough wall times on one H200, model loading included (2026-12):
 #
 #   tests        GPU kernel, model and CUDA-graph tests (a call of its own)      ~5 min
+#   quick        the GPU tests of the newest paths: GEMV, PDL, DBO, cuDNN merge  ~2 min
 #   kernels      state update (Mamba1 regrouped and Mamba2) and MoE launch sizes ~3 min
 #   pdl          bench_pdl.py's chains; batch-1 Mamba2-2.7B, Bamba-9B with and without --decode-pdl
 #   pdl2         batch-1 Llama-3-8B, Mamba-2.8B with and without --decode-pdl; Mamba2-2.7B profiles
@@ -26,7 +27,7 @@
 set -uo pipefail
 
 if [ $# -lt 2 ]; then
-    sed -n '2,25p' "$0"
+    sed -n '2,26p' "$0"
     exit 2
 fi
 export SSMSERVE_COMMIT=$1
@@ -62,6 +63,10 @@ section() {
     case $1 in
     tests)
         python3 -m pytest -q -x tests/kernels tests/test_triton_models.py tests/test_cuda_graphs.py
+        ;;
+    quick)
+        python3 -m pytest -q tests/kernels/test_gemv.py tests/kernels/test_attention_merge.py \
+            tests/test_cuda_graphs.py -k "gemv or merge or pdl or dual_batch or cudnn"
         ;;
     kernels)
         python3 benchmarks/kernels/bench_state_update.py --sections accuracy,sizes \
