@@ -5,13 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from ssmserve.bench.serving import (
@@ -22,7 +17,7 @@ from ssmserve.bench.serving import (
     summarize_serving,
 )
 from ssmserve.cli import main
-from tests.server.conftest import free_port
+from tests.server.conftest import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 256
@@ -31,29 +26,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def server_url():
-    port = free_port()
-    cmd = [sys.executable, "-m", "ssmserve.cli", "serve", "--port", str(port)]
-    cmd += f"--device cpu --max-model-len {MAX_MODEL_LEN} --uvicorn-log-level warning".split()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited early:\n{proc.stdout.read().decode()}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not come up")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.kill()
-        proc.wait()
+    server = ServerProcess(None, "--max-model-len", str(MAX_MODEL_LEN))
+    yield server.base_url
+    server.kill()
 
 
 def _check_consistent(summary: dict, results: list, max_tokens: int) -> None:

@@ -23,7 +23,7 @@ import pytest
 from ssmserve import LLM, SamplingParams
 from ssmserve.distributed.executor import WorkerFailedError
 from ssmserve.layers.batch import sampled_rows_read
-from tests.server.conftest import free_port
+from tests.server.conftest import ServerProcess, free_port
 from tests.tiny_models import make_tiny_checkpoint
 
 CASES = {
@@ -170,36 +170,8 @@ def _alive(pid: int) -> bool:
 
 
 def _serve_tp2(path: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "ssmserve.cli",
-        "serve",
-        path,
-        "--port",
-        str(port),
-        "--device",
-        "cpu",
-        "--tensor-parallel-size",
-        "2",
-        "--uvicorn-log-level",
-        "warning",
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read().decode()
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("the server did not come up")
-        time.sleep(0.3)
+    server = ServerProcess(path, "--tensor-parallel-size", "2")
+    return server.proc, server.base_url
 
 
 def _complete(base: str, max_tokens: int = 6):

@@ -1,15 +1,20 @@
 """Fixtures: a tiny Bamba checkpoint (attention + Mamba2, so both cache pools are used) and
-real uvicorn servers over it on 127.0.0.1, each in a background thread."""
+real uvicorn servers over it on 127.0.0.1, each in a background thread; `ServerProcess`
+for `ssmserve serve` as a process."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -41,23 +46,72 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class ServerProcess:
+    """`ssmserve serve [CHECKPOINT] --port 0 FLAGS...` as a child process, up and healthy;
+    its output is collected in `lines`. The server binds a free port itself and names it
+    in its start-up lines, so no other process can take it in between."""
+
+    def __init__(self, checkpoint: str | None, *flags: str, timeout: float = 120) -> None:
+        cmd = [sys.executable, "-m", "ssmserve.cli", "serve"]
+        cmd += [checkpoint] if checkpoint else []
+        cmd += ["--port", "0", "--device", "cpu", "--uvicorn-log-level", "warning", *flags]
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.base_url = ""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                self._reader.join(5)
+                raise RuntimeError("the server exited early:\n" + "".join(self.lines))
+            if not self.base_url:
+                urls = [re.search(r"OpenAI API at (\S+)/v1 ", line) for line in self.lines]
+                self.base_url = next((u.group(1) for u in urls if u), "")
+            try:
+                if self.base_url and httpx.get(self.base_url + "/health", timeout=1).is_success:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError("the server did not come up:\n" + "".join(self.lines))
+            time.sleep(0.2)
+        self.port = int(self.base_url.rsplit(":", 1)[1])
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 class ServerThread:
     """The server `ssmserve serve` runs, for `app` on a free port of 127.0.0.1, in a daemon
     thread (no signals there: `should_exit` stops it as SIGTERM would)."""
 
     def __init__(self, app) -> None:
         self.app = app
-        self.port = free_port()
+        # Bound here and handed to uvicorn, so no other process can take the port first.
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
             app,
-            host="127.0.0.1",
-            port=self.port,
             log_level="warning",
             timeout_graceful_shutdown=app.state.serving.options.shutdown_timeout,
         )
         self.server = DrainingServer(config, app)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True
+        )
 
     def __enter__(self) -> ServerThread:
         self.thread.start()
@@ -71,6 +125,7 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        self.socket.close()
 
     def metrics(self) -> dict[str, float]:
         """The unlabelled samples of /metrics, by name."""

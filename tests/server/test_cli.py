@@ -24,49 +24,9 @@ from ssmserve.server.app import build_app, shutdown_cut_after
 from ssmserve.server.async_engine import AsyncLLMEngine
 from ssmserve.server.cli import add_serve_args
 from ssmserve.server.options import ServerOptions
-from tests.server.conftest import MODEL_NAME, ServerThread, free_port, make_engine
+from tests.server.conftest import MODEL_NAME, ServerProcess, ServerThread, make_engine
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
-
-
-class ServerProcess:
-    """`ssmserve serve CHECKPOINT --port P ...` as a child process; its output is collected."""
-
-    def __init__(self, checkpoint: str, *flags: str) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "ssmserve.cli", "serve", checkpoint, "--port", str(self.port)]
-        cmd += ["--device", "cpu", "--uvicorn-log-level", "warning", *flags]
-        env = {**os.environ, "PYTHONPATH": str(DOCS.parents[1])}
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        deadline = time.monotonic() + 120
-        while True:
-            if self.proc.poll() is not None:
-                self._reader.join(5)
-                raise RuntimeError("the server exited early:\n" + "".join(self.lines))
-            try:
-                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError("the server did not come up")
-            time.sleep(0.2)
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +122,10 @@ def test_startup_lines_name_model_device_cache_and_url(served_process, bamba_che
     assert f"model {bamba_checkpoint} (BambaForCausalLM)" in startup, startup
     assert "device cpu, float32" in startup and "max_model_len 512" in startup
     assert re.search(r"cache: \d+ KV blocks of 16 tokens, \d+ state slots", startup), startup
-    assert f"OpenAI API at {base_url}/v1" in startup
+    # Served with --port 0: the line names the port the server bound, where it answers.
+    url = re.search(r"OpenAI API at http://127\.0\.0\.1:(\d+)/v1 \(health: (\S+)\)", startup)
+    assert url and int(url.group(1)) > 0, startup
+    assert httpx.get(url.group(2), timeout=5).json() == {"status": "ok"}
 
 
 def test_sigterm_lets_in_flight_stream_finish_then_exits(served_process):
