@@ -197,22 +197,23 @@ class ModelRunner:
                     torch.cuda.Stream(self.device),
                     torch.cuda.Stream(self.device),
                 )
-            # NOTE: allocated on the main stream and written by the side streams, which
-            # the main stream waits for before it reads or frees it.
-            hidden = None
-            start = 0
             for stream in self._dbo_streams:
                 stream.wait_stream(main)
-            for half, stream in zip(halves, self._dbo_streams):
+            # NOTE: `hidden` is allocated on the main stream (made once the first half
+            # gives the shape) and written by the side streams, which the main stream
+            # waits for before it reads or frees it; each half's own output stays on its
+            # stream.
+            hidden = None
+            first = halves[0].num_seqs
+            for half, rows, stream in zip(
+                halves, (slice(0, first), slice(first, None)), self._dbo_streams
+            ):
                 with torch.cuda.stream(stream):
                     out = self.model(half, self.caches)
                 if hidden is None:
-                    hidden = torch.empty(
-                        (batch.num_seqs, *out.shape[1:]), dtype=out.dtype, device=out.device
-                    )
+                    hidden = out.new_empty((batch.num_seqs, *out.shape[1:]))
                 with torch.cuda.stream(stream):
-                    hidden[start : start + half.num_seqs].copy_(out)
-                start += half.num_seqs
+                    hidden[rows].copy_(out)
             for stream in self._dbo_streams:
                 main.wait_stream(stream)
         return self.model.compute_logits(hidden[batch.logits_indices]).float()

@@ -238,6 +238,9 @@ class ForwardBatch:
         their own: views, but for the token offsets and logits rows, rebased to 0."""
         assert self.num_decodes == self.num_seqs == self.num_tokens >= end > start >= 0
         rows = slice(start, end)
+        # NOTE: from row 0 every field stays a view: a CUDA graph is captured on views of
+        # its static buffers (`decode_prefix`), and a new tensor made before the capture
+        # could be freed and reused while the graph still reads it.
         return ForwardBatch(
             input_ids=self.input_ids[rows],
             positions=self.positions[rows],

@@ -147,10 +147,9 @@ def run_serve(args: argparse.Namespace) -> int:
     url = f"http://{host}:{sock.getsockname()[1]}"
     for line in _startup_lines(async_engine.engine, names, url):
         print(f"ssmserve: {line}", file=sys.stderr, flush=True)
+    # No host or port: uvicorn serves on `sock`, bound above.
     uvicorn_config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
         log_level=args.uvicorn_log_level,
         # A backstop: the app cuts what still runs shortly before this.
         timeout_graceful_shutdown=options.shutdown_timeout,
