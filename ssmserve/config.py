@@ -255,11 +255,12 @@ class EngineConfig:
         "on sm_90, else triton (docs/kernels.md)",
         choices=KERNEL_BACKENDS,
     )
-    decode_pdl: bool = _flag(
-        False,
-        "batch-1 decode with programmatic dependent launch: each kernel starts while the "
-        "one before it runs and loads its weights (or state) first; the linears of one row "
-        "use a Triton GEMV (sm_90, Triton kernels; experimental, docs/kernels.md)",
+    decode_pdl: bool | None = _flag(
+        None,
+        "decode with programmatic dependent launch: each kernel starts while the one before "
+        "it runs and loads its weights (or state) first; the linears of one row use a Triton "
+        "GEMV (default: on where it can run, an sm_90 GPU with Triton kernels; "
+        "docs/kernels.md)",
     )
     enable_dbo: bool = _flag(
         False,
@@ -378,7 +379,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         flags = [f"--{f.name.replace('_', '-')}", *meta.pop("aliases", ())]
         default = f.default
         help_text = meta.pop("help")
-        if f.type in ("bool", bool):
+        if f.type in ("bool", bool, "bool | None"):
             g.add_argument(
                 *flags, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )

@@ -36,15 +36,16 @@ def test_graph_decode_equals_eager_decode(checkpoint, variant):
 )
 @pytest.mark.parametrize("variant", ["mamba2", "bamba", "llama", "mamba"])
 def test_pdl_graph_decode_equals_plain_graph_decode(checkpoint, variant):
-    """--decode-pdl (one-row linears through the GEMV, the batch-1 kernels launched with
-    programmatic dependent launch, captured in CUDA graphs) gives the tokens of the plain
-    graphs, one sequence at a time (PDL's path) and five together (the plain path)."""
+    """Decode with PDL (the default on sm_90: one-row linears through the GEMV, the
+    kernels launched with programmatic dependent launch, captured in CUDA graphs) gives
+    the tokens of the plain graphs, one sequence at a time and five together."""
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 7, 30, 12, 5)]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=0)
     kwargs = dict(device="cuda", dtype="float32", max_num_seqs=8, cache_memory=2**28)
-    plain = LLM(checkpoint(variant), **kwargs)
-    pdl = LLM(checkpoint(variant), decode_pdl=True, **kwargs)
+    plain = LLM(checkpoint(variant), decode_pdl=False, **kwargs)
+    pdl = LLM(checkpoint(variant), **kwargs)  # the default: on where it can run
     assert pdl.llm_engine.executor.runner.ops.pdl
+    assert not plain.llm_engine.executor.runner.ops.pdl
     for batch in ([[p] for p in prompts[:2]], [prompts]):
         for group in batch:
             _assert_same_greedy(plain.generate(group, params), pdl.generate(group, params))

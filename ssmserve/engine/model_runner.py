@@ -50,7 +50,7 @@ class ModelRunner:
         )
         self.ops = get_ops(config.kernel_backend, device, pdl=config.decode_pdl)
         self.model = self._build_model(model_config)
-        if config.decode_pdl:
+        if self.ops.pdl:
             # The linears of one row (batch-1 decode) chain with the other PDL kernels.
             for module in self.model.modules():
                 if hasattr(module, "decode_gemv"):

@@ -109,9 +109,10 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     return "hopper" if hopper_unavailable_reason(device) is None else "triton"
 
 
-def get_ops(backend: str, device: torch.device | str, pdl: bool = False) -> KernelOps:
+def get_ops(backend: str, device: torch.device | str, pdl: bool | None = False) -> KernelOps:
     """Return the op set for `backend` (one of BACKENDS) on `device`; with `pdl` the
-    PDL_OPS launch with programmatic dependent launch (Triton kernels on sm_90 only).
+    PDL_OPS launch with programmatic dependent launch (Triton kernels on sm_90 only);
+    `pdl=None` turns it on wherever it can run.
 
     - "torch": the PyTorch twins, on any device.
     - "triton": the portable Triton-language kernels for every op, on CUDA, or on CPU
@@ -150,17 +151,20 @@ def get_ops(backend: str, device: torch.device | str, pdl: bool = False) -> Kern
         field: getattr(importlib.import_module(f"ssmserve.kernels.{module}"), name)
         for field, (module, name) in targets.items()
     }
-    if pdl:
+    if pdl or pdl is None:
         from ssmserve.kernels._common import pdl_unavailable_reason
 
         reason = pdl_unavailable_reason(device)
         if reason is None and resolved == "torch":
             reason = "kernel_backend 'torch' has no Triton launches to chain"
-        if reason is not None:
+        if pdl is None:
+            pdl = reason is None
+        elif reason is not None:
             raise RuntimeError(f"decode_pdl: {reason}; run without --decode-pdl")
+    if pdl:
         for field in PDL_OPS:
             fns[field] = functools.partial(fns[field], pdl=True)
-    return KernelOps(backend=resolved, pdl=pdl, **fns)
+    return KernelOps(backend=resolved, pdl=bool(pdl), **fns)
 
 
 __all__ = ["BACKENDS", "PDL_OPS", "KernelOps", "get_ops", "resolve_backend"]

@@ -63,4 +63,6 @@ def test_bad_arguments_are_refused():
 def test_pdl_ops_need_a_gpu_and_the_triton_kernels():
     with pytest.raises(RuntimeError, match="decode_pdl: .*CUDA GPU.*without --decode-pdl"):
         get_ops("torch", "cpu", pdl=True)
+    # The default (None) turns PDL on only where it can run: here, silently off.
+    assert not get_ops("torch", "cpu", pdl=None).pdl
     assert set(PDL_OPS) <= set(get_ops("torch", "cpu").__dataclass_fields__)
