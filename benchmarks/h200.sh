@@ -18,7 +18,7 @@
 #   pdl          bench_pdl.py's chains; batch-1 Mamba2-2.7B, Bamba-9B with and without --decode-pdl
 #   pdl2         batch-1 Llama-3-8B, Mamba-2.8B with and without --decode-pdl; Mamba2-2.7B profiles
 #   pdl3         PDL beyond batch 1, with and without: Bamba-9B b256 fp32 state and
-#                Llama-3-8B b96 decode steps at 5k; Mamba2-2.7B 2k prefill   ~4 min
+#                Llama-3-8B b64 decode steps at 5k; Mamba2-2.7B 2k prefill   ~4 min
 #   latency      batch-1 decode at 2k: Bamba-9B, Llama-3-8B, Mamba2-2.7B, Mamba-2.8B ~5 min
 #   prefill      one 2k prefill (Mamba2-2.7B, caching on / off); Bamba-9B TTFT 32k, 128k ~6 min
 #   step         engine step minus forward, Bamba-9B at 256 running; Bamba b484 decode profile ~5 min
@@ -93,7 +93,7 @@ section() {
         ;;
     pdl3)
         for flag in --no-decode-pdl --decode-pdl; do
-            for shape in "bamba-9b 256" "llama-3-8b 96"; do
+            for shape in "bamba-9b 256" "llama-3-8b 64"; do
                 set -- $shape
                 python3 benchmarks/decode_profile.py --model "$configs/$1" "${dummy[@]}" \
                     --batch-size "$2" --context 5120 --iters 10 --mamba-ssm-cache-dtype float32 \
