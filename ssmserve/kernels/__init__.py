@@ -13,7 +13,7 @@ import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported where it is used: BACKENDS must be cheap to import
     import torch
@@ -39,7 +39,9 @@ _OPS: dict[str, tuple[str, str]] = {
     "gemv": ("gemv", "gemv"),
 }
 # Ops whose launchers take `pdl` (programmatic dependent launch, `get_ops(pdl=True)`):
-# the Triton kernels of a batch-1 decode step of the dense families.
+# the Triton kernels of a batch-1 decode step of the dense families. They launch so only
+# while a CUDA graph is captured: launched eagerly (prefill), PDL cost host time, a
+# Mamba2-2.7B 2k prompt's TTFT 52.5 -> 87.7 ms on an H100 (docs/kernels.md).
 PDL_OPS = (
     "gemv",
     "add_rms_norm",
@@ -65,7 +67,8 @@ class KernelOps:
     """The kernel implementations a model runs with (see each op's docstring).
 
     `backend` is the resolved choice: "torch", "triton" or "hopper" (never "auto");
-    `pdl` whether the PDL_OPS launch with programmatic dependent launch.
+    `pdl` whether the PDL_OPS launch with programmatic dependent launch (in captured
+    CUDA graphs).
     """
 
     backend: str
@@ -163,8 +166,19 @@ def get_ops(backend: str, device: torch.device | str, pdl: bool | None = False) 
             raise RuntimeError(f"decode_pdl: {reason}; run without --decode-pdl")
     if pdl:
         for field in PDL_OPS:
-            fns[field] = functools.partial(fns[field], pdl=True)
+            fns[field] = _pdl_when_captured(fns[field])
     return KernelOps(backend=resolved, pdl=bool(pdl), **fns)
+
+
+def _pdl_when_captured(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with pdl=True while the current stream captures a CUDA graph, else as it was."""
+    import torch
+
+    @functools.wraps(fn)
+    def launch(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, pdl=torch.cuda.is_current_stream_capturing(), **kwargs)
+
+    return launch
 
 
 __all__ = ["BACKENDS", "PDL_OPS", "KernelOps", "get_ops", "resolve_backend"]
