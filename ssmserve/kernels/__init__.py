@@ -41,7 +41,8 @@ _OPS: dict[str, tuple[str, str]] = {
 # Ops whose launchers take `pdl` (programmatic dependent launch, `get_ops(pdl=True)`):
 # the Triton kernels of a batch-1 decode step of the dense families. They launch so only
 # while a CUDA graph is captured: launched eagerly (prefill), PDL cost host time, a
-# Mamba2-2.7B 2k prompt's TTFT 52.5 -> 87.7 ms on an H100 (docs/kernels.md).
+# Mamba2-2.7B 2k prompt's TTFT 52.5 -> 87.7 ms on an H100 (docs/kernels.md); eagerly
+# the one-row linears run F.linear.
 PDL_OPS = (
     "gemv",
     "add_rms_norm",
@@ -165,18 +166,25 @@ def get_ops(backend: str, device: torch.device | str, pdl: bool | None = False) 
         elif reason is not None:
             raise RuntimeError(f"decode_pdl: {reason}; run without --decode-pdl")
     if pdl:
+        from ssmserve.kernels.gemv import gemv_ref
+
         for field in PDL_OPS:
-            fns[field] = _pdl_when_captured(fns[field])
+            # Eagerly, one-row linears stay with cuBLAS (F.linear): the GEMV pays off
+            # only chained with PDL.
+            eager = gemv_ref if field == "gemv" else fns[field]
+            fns[field] = _pdl_when_captured(fns[field], eager)
     return KernelOps(backend=resolved, pdl=bool(pdl), **fns)
 
 
-def _pdl_when_captured(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` with pdl=True while the current stream captures a CUDA graph, else as it was."""
+def _pdl_when_captured(fn: Callable[..., Any], eager: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with pdl=True while the current stream captures a CUDA graph, else `eager`."""
     import torch
 
     @functools.wraps(fn)
     def launch(*args: Any, **kwargs: Any) -> Any:
-        return fn(*args, pdl=torch.cuda.is_current_stream_capturing(), **kwargs)
+        if torch.cuda.is_current_stream_capturing():
+            return fn(*args, pdl=True, **kwargs)
+        return eager(*args, **kwargs)
 
     return launch
 

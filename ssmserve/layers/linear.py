@@ -122,8 +122,9 @@ def linear(
     gemv: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """F.linear, or for one row of x the module's `decode_gemv` where the model runner
-    set one (batch-1 decode with programmatic dependent launch; `get_ops(pdl=True)`) and
-    the weight's rows are contiguous, as the GEMV reads them."""
+    set one (decode with programmatic dependent launch, `get_ops(pdl=True)`: the GEMV in
+    captured CUDA graphs, F.linear eagerly) and the weight's rows are contiguous, as the
+    GEMV reads them."""
     if gemv is not None and x.dim() == 2 and x.shape[0] == 1 and weight.stride(1) == 1:
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
