@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from ssmserve.kernels import pdl_scope
 from ssmserve.layers.batch import ForwardBatch, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,13 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        # With PDL on, the warm-up runs compile the PDL kernels the capture launches.
+        with pdl_scope():
+            self._capture()
+        torch.cuda.synchronize(self.device)
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             batch = self.static.decode_prefix(size)
@@ -60,8 +68,6 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 logits = forward(batch)
             self._graphs[size] = (graph, logits)
-        torch.cuda.synchronize(self.device)
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (

@@ -9,9 +9,11 @@ defaults: benchmarks sweep them and tests pin them; the model code never passes 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,9 +42,9 @@ _OPS: dict[str, tuple[str, str]] = {
 }
 # Ops whose launchers take `pdl` (programmatic dependent launch, `get_ops(pdl=True)`):
 # the Triton kernels of a batch-1 decode step of the dense families. They launch so only
-# while a CUDA graph is captured: launched eagerly (prefill), PDL cost host time, a
-# Mamba2-2.7B 2k prompt's TTFT 52.5 -> 87.7 ms on an H100 (docs/kernels.md); eagerly
-# the one-row linears run F.linear.
+# inside `pdl_scope()`, which DecodeGraphs holds over the warm-up and capture of its graphs:
+# launched eagerly (prefill), PDL cost host time, a Mamba2-2.7B 2k prompt's TTFT 52.5 ->
+# 87.7 ms on an H100 (docs/kernels.md); eagerly the one-row linears run F.linear.
 PDL_OPS = (
     "gemv",
     "add_rms_norm",
@@ -68,8 +70,8 @@ class KernelOps:
     """The kernel implementations a model runs with (see each op's docstring).
 
     `backend` is the resolved choice: "torch", "triton" or "hopper" (never "auto");
-    `pdl` whether the PDL_OPS launch with programmatic dependent launch (in captured
-    CUDA graphs).
+    `pdl` whether the PDL_OPS launch with programmatic dependent launch (inside
+    `pdl_scope()`: in captured CUDA graphs).
     """
 
     backend: str
@@ -172,21 +174,36 @@ def get_ops(backend: str, device: torch.device | str, pdl: bool | None = False) 
             # Eagerly, one-row linears stay with cuBLAS (F.linear): the GEMV pays off
             # only chained with PDL.
             eager = gemv_ref if field == "gemv" else fns[field]
-            fns[field] = _pdl_when_captured(fns[field], eager)
+            fns[field] = _pdl_in_scope(fns[field], eager)
     return KernelOps(backend=resolved, pdl=bool(pdl), **fns)
 
 
-def _pdl_when_captured(fn: Callable[..., Any], eager: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` with pdl=True while the current stream captures a CUDA graph, else `eager`."""
-    import torch
+_pdl_active = threading.local()
+
+
+@contextlib.contextmanager
+def pdl_scope() -> Iterator[None]:
+    """Inside it, the PDL_OPS of a `get_ops(pdl=True)` set launch with PDL. Hold it over
+    a graph's warm-up as well as its capture: the PDL variants of the kernels must
+    compile before the capture (loading a module inside one invalidates it)."""
+    before = getattr(_pdl_active, "on", False)
+    _pdl_active.on = True
+    try:
+        yield
+    finally:
+        _pdl_active.on = before
+
+
+def _pdl_in_scope(fn: Callable[..., Any], eager: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with pdl=True inside `pdl_scope()`, else `eager`."""
 
     @functools.wraps(fn)
     def launch(*args: Any, **kwargs: Any) -> Any:
-        if torch.cuda.is_current_stream_capturing():
+        if getattr(_pdl_active, "on", False):
             return fn(*args, pdl=True, **kwargs)
         return eager(*args, **kwargs)
 
     return launch
 
 
-__all__ = ["BACKENDS", "PDL_OPS", "KernelOps", "get_ops", "resolve_backend"]
+__all__ = ["BACKENDS", "PDL_OPS", "KernelOps", "get_ops", "pdl_scope", "resolve_backend"]
