@@ -13,7 +13,7 @@
 # Rough wall times on one H200, model loading included (2026-12):
 #
 #   tests        GPU kernel, model and CUDA-graph tests (a call of its own)      ~5 min
-#   quick        the GPU tests of the newest paths: GEMV, PDL, DBO, cuDNN merge  ~2 min
+#   quick        the GPU tests of the newest paths: GEMV, PDL, cuDNN merge       ~2 min
 #   kernels      state update (Mamba1 regrouped and Mamba2) and MoE launch sizes ~3 min
 #   pdl          bench_pdl.py's chains; batch-1 Mamba2-2.7B, Bamba-9B with and without --decode-pdl
 #   pdl2         batch-1 Llama-3-8B, Mamba-2.8B with and without --decode-pdl; Mamba2-2.7B profiles
@@ -24,12 +24,10 @@
 #   step         engine step minus forward, Bamba-9B at 256 running; Bamba b484 decode profile ~5 min
 #   throughput   256 x 1k in / 1k out: Bamba-9B, Llama-3-8B, Jamba-Mini-1.7  ~8 min
 #   long         1k in / 8k out at each model's largest batch, fp32 and bf16 state ~6 min
-#   dbo          Bamba-9B decode steps with and without --enable-dbo (split at any size):
-#                b512 bf16 state at 2k context, b256 fp32 state at 5k (fit one H100) ~4 min
 set -uo pipefail
 
 if [ $# -lt 2 ]; then
-    sed -n '2,28p' "$0"
+    sed -n '2,26p' "$0"
     exit 2
 fi
 export SSMSERVE_COMMIT=$1
@@ -68,7 +66,7 @@ section() {
         ;;
     quick)
         python3 -m pytest -q tests/kernels/test_gemv.py tests/kernels/test_attention_merge.py \
-            tests/test_cuda_graphs.py -k "gemv or merge or pdl or dual_batch or cudnn"
+            tests/test_cuda_graphs.py -k "gemv or merge or pdl or cudnn"
         ;;
     kernels)
         python3 benchmarks/kernels/bench_state_update.py --sections accuracy,sizes \
@@ -136,19 +134,6 @@ section() {
         python3 benchmarks/long_outputs.py "${dummy[@]}" --models "$configs/bamba-9b" \
             "$configs/llama-3-8b" --state-dtypes float32 bfloat16 --window 48 \
             --json "$dir/long_outputs_h200.json"
-        ;;
-    dbo)
-        for shape in "512 bfloat16 2048" "256 float32 5120"; do
-            set -- $shape
-            for dbo in off on; do
-                flags=(--no-enable-dbo)
-                [ $dbo = off ] || flags=(--enable-dbo --dbo-decode-token-threshold 2)
-                python3 benchmarks/decode_profile.py --model "$configs/bamba-9b" "${dummy[@]}" \
-                    --batch-size "$1" --context "$3" --iters 10 --mamba-ssm-cache-dtype "$2" \
-                    "${flags[@]}" --json "$dir/decode_profile_bamba-9b_b$1_$3_$2_dbo_$dbo.json" ||
-                    return
-            done
-        done
         ;;
     *)
         echo "unknown section $1 (see the head of $0)" >&2

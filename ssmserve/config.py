@@ -262,18 +262,6 @@ class EngineConfig:
         "GEMV (default: on where it can run, an sm_90 GPU with Triton kernels; "
         "docs/kernels.md)",
     )
-    enable_dbo: bool = _flag(
-        False,
-        "dual-batch overlap in decode: a decode step of at least --dbo-decode-token-threshold "
-        "requests runs as two half batches in two CUDA streams, so that one half's "
-        "compute-bound GEMMs can run beside the other's memory-bound state updates and "
-        "attention (one GPU, no pipeline stages; experimental, docs/kernels.md)",
-    )
-    dbo_decode_token_threshold: int = _flag(
-        384,
-        "the smallest decode step --enable-dbo splits (at least 2; the default keeps each "
-        "half's GEMMs compute-bound on an H100 or H200, docs/kernels.md)",
-    )
     generation_config: str = _flag(
         "auto",
         "where requests that leave temperature, top_p, top_k, min_p or repetition_penalty "
@@ -344,16 +332,6 @@ class EngineConfig:
                 "mamba_ssm_stochastic_rounding rounds writes into a 16-bit SSM state, but "
                 "mamba_ssm_cache_dtype is float32; set --mamba-ssm-cache-dtype bfloat16 or "
                 "float16, or drop --mamba-ssm-stochastic-rounding"
-            )
-        if self.dbo_decode_token_threshold < 2:
-            raise ValueError(
-                "dbo_decode_token_threshold must be at least 2 (a step of one request has no "
-                f"halves), got {self.dbo_decode_token_threshold}"
-            )
-        if self.enable_dbo and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise ValueError(
-                "enable_dbo runs on one GPU: its two streams would interleave the collectives "
-                "of tensor or pipeline parallelism; drop --enable-dbo or run on one GPU"
             )
         if self.num_prefix_checkpoints is not None and self.num_prefix_checkpoints < 0:
             raise ValueError(

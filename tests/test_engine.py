@@ -242,43 +242,6 @@ def test_overlapped_steps_equal_one_step_at_a_time(checkpoint, family):
                 assert pa.keys() == pb.keys()
 
 
-@pytest.mark.parametrize("family", ["bamba", "mamba"])
-def test_dual_batch_overlap_equals_the_whole_batch(checkpoint, family, monkeypatch):
-    """--enable-dbo runs each decode step of at least the threshold as two half batches
-    (on CUDA in two streams): every request's tokens and logprobs are those of the whole
-    batch, whatever half it falls in, with odd and even batch sizes."""
-    from ssmserve.engine.model_runner import ModelRunner
-
-    path = checkpoint(family)
-    prompts = token_prompts(make_llm(path).get_tokenizer().vocab_size, [3, 9, 14, 5, 7], seed=2)
-    params = [SamplingParams(max_tokens=6 + 2 * i, temperature=0, logprobs=1) for i in range(5)]
-    split = []
-    dbo = ModelRunner.forward_logits_dbo
-    monkeypatch.setattr(
-        ModelRunner, "forward_logits_dbo", lambda self, b: split.append(b.num_seqs) or dbo(self, b)
-    )
-    runs = [
-        make_llm(path, **flags).generate(prompts, params)
-        for flags in ({}, {"enable_dbo": True, "dbo_decode_token_threshold": 2})
-    ]
-    # Steps of 5, 4, 3 and 2 requests were split; none of 1 (below the threshold).
-    assert set(split) == {2, 3, 4, 5}, split
-    for whole, halves in zip(*runs, strict=True):
-        a, b = whole.outputs[0], halves.outputs[0]
-        assert a.token_ids == b.token_ids
-        # Half batches sum in float32 as differently as a batch of one does (~1e-5 here).
-        for pa, pb in zip(a.logprobs, b.logprobs, strict=True):
-            assert pa.keys() == pb.keys()
-            assert all(abs(pa[t].logprob - pb[t].logprob) < 5e-5 for t in pa)
-
-
-def test_dual_batch_overlap_is_refused_with_parallelism():
-    with pytest.raises(ValueError, match="enable_dbo runs on one GPU"):
-        EngineConfig(enable_dbo=True, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="dbo_decode_token_threshold must be at least 2"):
-        EngineConfig(dbo_decode_token_threshold=1)
-
-
 @pytest.mark.parametrize("family", ["bamba", "llama"])
 def test_steps_launched_ahead_take_their_tokens_from_the_device(checkpoint, family, monkeypatch):
     """Step n+1 is launched before step n's tokens are read on the host: its decode

@@ -52,21 +52,15 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             batch = self.static.decode_prefix(size)
-            # Dual-batch overlap: the graph holds the two halves as parallel branches.
-            forward = (
-                self.runner.forward_logits_dbo
-                if self.runner.uses_dbo(batch)
-                else self.runner.forward_logits
-            )
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    forward(batch)
+                    self.runner.forward_logits(batch)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = forward(batch)
+                logits = self.runner.forward_logits(batch)
             self._graphs[size] = (graph, logits)
 
     def can_run(self, batch: ForwardBatch) -> bool:

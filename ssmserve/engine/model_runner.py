@@ -60,7 +60,6 @@ class ModelRunner:
         self.caches: list[LayerCache] = []
         self.cache_stacks: list[tuple[str, torch.Tensor]] = []
         self.graphs = None  # DecodeGraphs, when CUDA graphs are on
-        self._dbo_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
 
     def _build_model(self, model_config: ModelConfig):
         cls = model_class(model_config.architecture)
@@ -172,52 +171,6 @@ class ModelRunner:
         hidden = self.model(batch, self.caches)
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
 
-    def uses_dbo(self, batch: ForwardBatch) -> bool:
-        """Whether this step runs as two half batches (`forward_logits_dbo`)."""
-        return (
-            self.config.enable_dbo
-            and batch.num_decodes == batch.num_seqs >= self.config.dbo_decode_token_threshold
-            and batch.logits_indices.shape[0] == batch.num_seqs
-        )
-
-    @torch.inference_mode()
-    def forward_logits_dbo(self, batch: ForwardBatch) -> torch.Tensor:
-        """`forward_logits` of a decode-only batch run as two half batches (dual-batch
-        overlap). On CUDA each half runs in its own stream, so one half's compute-bound
-        GEMMs can run beside the other's memory-bound state updates and attention (the
-        halves touch different state slots and KV blocks); the LM head then runs once
-        over both. Every row's logits are the whole batch's."""
-        halves = batch.decode_halves()
-        if self.device.type != "cuda":
-            hidden = torch.cat([self.model(half, self.caches) for half in halves])
-        else:
-            main = torch.cuda.current_stream(self.device)
-            if self._dbo_streams is None:
-                self._dbo_streams = (
-                    torch.cuda.Stream(self.device),
-                    torch.cuda.Stream(self.device),
-                )
-            for stream in self._dbo_streams:
-                stream.wait_stream(main)
-            # NOTE: `hidden` is allocated on the main stream (made once the first half
-            # gives the shape) and written by the side streams, which the main stream
-            # waits for before it reads or frees it; each half's own output stays on its
-            # stream.
-            hidden = None
-            first = halves[0].num_seqs
-            for half, rows, stream in zip(
-                halves, (slice(0, first), slice(first, None)), self._dbo_streams
-            ):
-                with torch.cuda.stream(stream):
-                    out = self.model(half, self.caches)
-                if hidden is None:
-                    hidden = out.new_empty((batch.num_seqs, *out.shape[1:]))
-                with torch.cuda.stream(stream):
-                    hidden[rows].copy_(out)
-            for stream in self._dbo_streams:
-                main.wait_stream(stream)
-        return self.model.compute_logits(hidden[batch.logits_indices]).float()
-
     @torch.inference_mode()
     def execute(
         self,
@@ -243,8 +196,6 @@ class ModelRunner:
             apply_cache_copies(self.cache_stacks, batch.cache_copies)
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
-        if self.uses_dbo(batch):
-            return self.forward_logits_dbo(batch)
         out = self.model(batch, self.caches, received)
         if isinstance(out, dict):
             return out

@@ -225,37 +225,18 @@ class ForwardBatch:
     def decode_prefix(self, n: int) -> ForwardBatch:
         """Views of the first `n` sequences of a decode-only batch (one token each), with
         no host copies: what a CUDA graph of batch size n is captured on."""
-        return self.decode_rows(0, n)
-
-    def decode_halves(self) -> tuple[ForwardBatch, ForwardBatch]:
-        """The first and second half of a decode-only batch (the first takes the odd
-        row), each a batch of its own: what dual-batch overlap runs side by side."""
-        n = self.num_seqs
-        return self.decode_rows(0, (n + 1) // 2), self.decode_rows((n + 1) // 2, n)
-
-    def decode_rows(self, start: int, end: int) -> ForwardBatch:
-        """Sequences start..end-1 of a decode-only batch (one token each) as a batch of
-        their own: views, but for the token offsets and logits rows, rebased to 0."""
-        assert self.num_decodes == self.num_seqs == self.num_tokens >= end > start >= 0
-        rows = slice(start, end)
-        # NOTE: from row 0 every field stays a view: a CUDA graph is captured on views of
-        # its static buffers (`decode_prefix`), and a new tensor made before the capture
-        # could be freed and reused while the graph still reads it.
+        assert self.num_decodes == self.num_seqs == self.num_tokens >= n
         return ForwardBatch(
-            input_ids=self.input_ids[rows],
-            positions=self.positions[rows],
-            query_start_loc=self.query_start_loc[start : end + 1] - start
-            if start
-            else self.query_start_loc[: end + 1],
-            seq_lens=self.seq_lens[rows],
-            state_slots=self.state_slots[rows],
-            has_initial_state=self.has_initial_state[rows],
-            block_tables=self.block_tables[rows],
-            slot_mapping=self.slot_mapping[rows],
-            logits_indices=self.logits_indices[rows] - start
-            if start
-            else self.logits_indices[rows],
-            num_decodes=end - start,
+            input_ids=self.input_ids[:n],
+            positions=self.positions[:n],
+            query_start_loc=self.query_start_loc[: n + 1],
+            seq_lens=self.seq_lens[:n],
+            state_slots=self.state_slots[:n],
+            has_initial_state=self.has_initial_state[:n],
+            block_tables=self.block_tables[:n],
+            slot_mapping=self.slot_mapping[:n],
+            logits_indices=self.logits_indices[:n],
+            num_decodes=n,
             query_start_loc_p=self.query_start_loc_p,
             start_positions_p=self.start_positions_p,
         )
