@@ -124,6 +124,9 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
     ]  # fmt: skip
     torch.save(specs, tmp_path / "launches.pt")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # The child imports ssmserve from this checkout, installed or not.
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     script = Path(__file__).with_name("gpu_compile.py")
     proc = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "launches.pt")],
