@@ -99,12 +99,13 @@ def test_fused_mamba2_decode_gives_the_tokens_of_the_unfused_kernels(
     assert_same_greedy_outputs(unfused_out, fused)
 
 
-@pytest.mark.parametrize("variant", ["bamba"])
+@pytest.mark.parametrize("variant", ["bamba", "mamba"])
 def test_one_row_gemv_gives_the_tokens_of_f_linear(checkpoint, variant):
     """With the linears of one row through the Triton GEMV (what --decode-pdl runs, here
     without PDL, which needs an sm_90 GPU): the greedy tokens and logprobs of F.linear,
-    over a one-token prompt's prefill and the decode steps of one sequence. Bamba has
-    every kind of linear: the Mamba2 projections, attention's, the MLP's, the LM head."""
+    over a one-token prompt's prefill and the decode steps of one sequence, and every
+    linear's weight read by the GEMV. Bamba has every kind of linear: the Mamba2
+    projections, attention's, the MLP's, the LM head; Mamba1 adds x_proj and dt_proj."""
     from ssmserve.kernels.gemv import gemv_triton
 
     prompts = [{"prompt_token_ids": [7]}, "def hello(x):\n    return"]
@@ -119,11 +120,18 @@ def test_one_row_gemv_gives_the_tokens_of_f_linear(checkpoint, variant):
         m for m in llm.llm_engine.executor.runner.model.modules() if hasattr(m, "decode_gemv")
     ]
     assert linears
+    read = set()
+
+    def recording_gemv(x, weight, bias=None):
+        read.add(weight.data_ptr())
+        return gemv_triton(x, weight, bias)
+
     for module in linears:
-        module.decode_gemv = gemv_triton
+        module.decode_gemv = recording_gemv
     with record_compile_keys() as keys:
         got = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     assert "_gemv_kernel" in keys
+    assert {m.weight.data_ptr() for m in linears} <= read
     assert_same_greedy_outputs(ref, got)
 
 

@@ -20,6 +20,7 @@ from ssmserve.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
     Segment,
+    linear,
     row_sharded_parameter,
 )
 from ssmserve.layers.mamba2_mixer import conv_activation
@@ -197,4 +198,7 @@ class MambaMixer(nn.Module):
             dt = norm(dt, self._unit_dt, eps=eps)
             B = norm(B, self._unit_bc, eps=eps)
             C = norm(C, self._unit_bc, eps=eps)
-        return dt @ self.dt_proj.weight.t(), B, C
+        # Through `linear` without the bias (the state update adds it in float32), so
+        # that in a batch-1 decode graph dt_proj is a PDL GEMV like the other linears: a
+        # cuBLAS launch would break the chain of overlapping launches.
+        return linear(dt, self.dt_proj.weight, None, self.dt_proj.decode_gemv), B, C
