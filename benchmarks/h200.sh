@@ -15,8 +15,8 @@
 #   tests        GPU kernel, model and CUDA-graph tests (a call of its own)      ~5 min
 #   quick        the GPU tests of the newest paths: GEMV, PDL, cuDNN merge       ~2 min
 #   kernels      state update (Mamba1 regrouped and Mamba2) and MoE launch sizes ~3 min
-#   pdl          bench_pdl.py's chains; batch-1 Mamba2-2.7B, Bamba-9B with and without --decode-pdl
-#   pdl2         batch-1 Llama-3-8B, Mamba-2.8B with and without --decode-pdl; Mamba2-2.7B profiles
+#   pdl          bench_pdl.py's chains; batch-1 Mamba2-2.7B, Bamba-9B without and with PDL ~2 min
+#   pdl2         batch-1 Llama-3-8B, Mamba-2.8B without and with PDL; Mamba2-2.7B profiles ~2 min
 #   pdl3         PDL beyond batch 1, with and without: Bamba-9B b256 fp32 state and
 #                Llama-3-8B b64 decode steps at 5k; Mamba2-2.7B 2k prefill   ~4 min
 #   latency      batch-1 decode at 2k: Bamba-9B, Llama-3-8B, Mamba2-2.7B, Mamba-2.8B ~5 min
@@ -76,12 +76,12 @@ section() {
     pdl)
         python3 benchmarks/kernels/bench_pdl.py --out "$dir/pdl_h200.json" &&
             for model in mamba2-2.7b bamba-9b; do
-                latency_b1 $model "" && latency_b1 $model _pdl --decode-pdl || return
+                latency_b1 $model _no_pdl --no-decode-pdl && latency_b1 $model _pdl --decode-pdl || return
             done
         ;;
     pdl2)
         for model in llama-3-8b mamba-2.8b; do
-            latency_b1 $model "" && latency_b1 $model _pdl --decode-pdl || return
+            latency_b1 $model _no_pdl --no-decode-pdl && latency_b1 $model _pdl --decode-pdl || return
         done
         for flag in --no-decode-pdl --decode-pdl; do
             python3 benchmarks/decode_profile.py --model "$configs/mamba2-2.7b" "${dummy[@]}" \
