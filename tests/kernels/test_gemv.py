@@ -66,3 +66,23 @@ def test_pdl_ops_need_a_gpu_and_the_triton_kernels():
     # The default (None) turns PDL on only where it can run: here, silently off.
     assert not get_ops("torch", "cpu", pdl=None).pdl
     assert set(PDL_OPS) <= set(get_ops("torch", "cpu").__dataclass_fields__)
+
+
+def test_pdl_ops_launch_with_pdl_only_inside_pdl_scope():
+    """A PDL op launches with pdl=True only inside `pdl_scope()` (DecodeGraphs holds it
+    over warm-up and capture); outside, it is its eager form (the GEMV's: F.linear), so
+    eager steps launch what they would without PDL. Scopes nest and restore."""
+    from ssmserve.kernels import _pdl_in_scope, pdl_scope
+
+    calls = []
+    op = _pdl_in_scope(
+        lambda *a, pdl=False: calls.append(("pdl", pdl)), lambda *a: calls.append("eager")
+    )
+    op()
+    with pdl_scope():
+        op()
+        with pdl_scope():
+            op()
+        op()
+    op()
+    assert calls == ["eager", ("pdl", True), ("pdl", True), ("pdl", True), "eager"]
