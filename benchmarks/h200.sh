@@ -14,6 +14,7 @@
 #
 #   tests        GPU kernel, model and CUDA-graph tests (a call of its own)      ~5 min
 #   quick        the GPU tests of the newest paths: GEMV, PDL, cuDNN merge       ~2 min
+#   ceilings     the card's device-copy bandwidth and bf16 GEMM rate (the floors' peaks) ~1 min
 #   kernels      state update (Mamba1 regrouped and Mamba2) and MoE launch sizes ~3 min
 #   pdl          bench_pdl.py's chains; batch-1 Mamba2-2.7B, Bamba-9B without and with PDL ~2 min
 #   pdl2         batch-1 Llama-3-8B, Mamba-2.8B without and with PDL; Mamba2-2.7B profiles ~2 min
@@ -27,7 +28,7 @@
 set -uo pipefail
 
 if [ $# -lt 2 ]; then
-    sed -n '2,26p' "$0"
+    sed -n '2,27p' "$0"
     exit 2
 fi
 export SSMSERVE_COMMIT=$1
@@ -67,6 +68,9 @@ section() {
     quick)
         python3 -m pytest -q tests/kernels/test_gemv.py tests/kernels/test_attention_merge.py \
             tests/test_cuda_graphs.py -k "gemv or merge or pdl or cudnn"
+        ;;
+    ceilings)
+        python3 benchmarks/kernels/bench_ceilings.py --out "$dir/ceilings.json"
         ;;
     kernels)
         python3 benchmarks/kernels/bench_state_update.py --sections accuracy,sizes \
