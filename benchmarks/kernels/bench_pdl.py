@@ -33,6 +33,11 @@ the wait) and `gemv+pdl+prefetch` (the state too: `--decode-pdl`'s form). Sectio
 - chain: each form's graph replay against the floor: weights read once, states read and
   written once (µs per layer in the JSON).
 - sweep: the GEMV's launch parameters in the pdl+prefetch chain.
+
+The Mamba2 chain also runs with the mixer's gated RMSNorm before out_proj, two ways:
+`+norm` (the norm's kernel, then the GEMV, as decode ran before `gated_norm_gemv`) and
+`+fused` (`gated_norm_gemv`: one launch, each GEMV program normalising the row as it
+streams it), and checks that the two agree.
 """
 
 from __future__ import annotations
@@ -65,7 +70,8 @@ from ssmserve.kernels._common import (
     pdl_launch,
     tl,
 )
-from ssmserve.kernels.gemv import gemv_triton
+from ssmserve.kernels.gated_rms_norm import gated_rms_norm_triton
+from ssmserve.kernels.gemv import gated_norm_gemv_triton, gemv_triton
 
 SECTIONS = ("accuracy", "chain", "sweep")
 OPTS = parse_args(__doc__, SECTIONS)
@@ -204,6 +210,7 @@ class Chain:
         self.h = torch.empty(hidden, device=DEV, dtype=DTYPE)
         self.r = torch.empty(hidden, device=DEV, dtype=torch.float32)
         self.h0 = torch.randn(hidden, generator=gen, device=DEV).to(DTYPE)
+        self.nw = (torch.rand(d, generator=gen, device=DEV) + 0.5).to(DTYPE)
 
     @property
     def floor_bytes(self) -> int:
@@ -243,7 +250,14 @@ class Chain:
             else:
                 u = gemv(self.h, self.w1[layer], pdl, config)
             self.mixer(layer, u, pdl, prefetch)
-            if cublas:
+            if form.endswith("+fused"):
+                o = gated_norm_gemv_triton(
+                    self.v[None], None, self.nw, self.w2[layer], eps=1e-5, pdl=pdl, config=config
+                )[0]
+            elif form.endswith("+norm"):
+                v = gated_rms_norm_triton(self.v[None], self.nw, eps=1e-5, pdl=pdl)
+                o = gemv(v[0], self.w2[layer], pdl, config)
+            elif cublas:
                 o = F.linear(self.v[None], self.w2[layer])[0]
             else:
                 o = gemv(self.v, self.w2[layer], pdl, config)
@@ -268,6 +282,12 @@ def _forms() -> tuple[str, ...]:
     return FORMS if _pdl_possible() else tuple(f for f in FORMS if "pdl" not in f)
 
 
+def _norm_forms() -> tuple[str, str]:
+    """The gated norm before out_proj as its own kernel, and fused into the GEMV."""
+    base = "gemv+pdl+prefetch" if _pdl_possible() else "gemv"
+    return base + "+norm", base + "+fused"
+
+
 def accuracy() -> None:
     gen = torch.Generator(device=DEV).manual_seed(1)
     for name, (_, hidden, d, heads, d_state) in CHAINS.items():
@@ -278,6 +298,18 @@ def accuracy() -> None:
             out = gemv(x, w, False, None)
             errors = {"gemv": rel_err(out, ref), "F.linear": rel_err(F.linear(x, w), ref)}
             record_check(f"{name} {n}x{k} bf16 against float32", errors)
+    for name, shape in CHAINS.items():
+        if not shape[3]:
+            continue
+        c = Chain(*shape)
+        outputs = []
+        for form in _norm_forms():
+            c.s.copy_(c.s0)
+            outputs.append(c.run(form).clone())
+        unfused, fused = outputs
+        # Not bit for bit: the fused kernel keeps the normalised value unrounded.
+        record_check(f"{name}: {_norm_forms()[1]} against +norm", {"h": rel_err(fused, unfused)})
+        del c
     if not _pdl_possible():
         log("accuracy: no sm_90 GPU, the PDL forms are not run")
         return
@@ -326,7 +358,7 @@ def _time_chain(name: str, chain: Chain, form: str, config: dict[str, Any] | Non
 def chain() -> None:
     for name, shape in CHAINS.items():
         c = Chain(*shape)
-        for form in _forms():
+        for form in _forms() + (_norm_forms() if shape[3] else ()):
             _time_chain(name, c, form, None)
         del c
         if DEV.type == "cuda":

@@ -55,6 +55,8 @@ class ModelRunner:
             for module in self.model.modules():
                 if hasattr(module, "decode_gemv"):
                     module.decode_gemv = self.ops.gemv
+                if hasattr(module, "decode_norm_gemv"):
+                    module.decode_norm_gemv = self.ops.gated_norm_gemv
         self.cache_specs = self.model.cache_specs()
         self.rounding_seeds = self._rounding_seeds()
         self.caches: list[LayerCache] = []

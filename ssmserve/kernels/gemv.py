@@ -177,3 +177,166 @@ def gemv_triton(
         **pdl_launch(pdl),
     )
     return out
+
+
+# ------------------------------------------------------------------ gated norm + GEMV
+
+
+def gated_norm_gemv_ref(
+    x: torch.Tensor,
+    z: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    eps: float,
+    group_size: int | None = None,
+    norm_before_gate: bool = False,
+    norm: Any = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """The Mamba2 mixer's last two steps for one row: `gated_rms_norm(x, norm_weight, z)`
+    rounded to the weight's dtype, then the linear. `norm` is the gated norm op to use
+    (default: the PyTorch twin; the eager form of the fused op passes the backend's);
+    `pdl` is the Triton launcher's. x, z [1, K]; weight [N, K]; returns [1, N]."""
+    from ssmserve.kernels.gated_rms_norm import gated_rms_norm_ref
+
+    norm = norm or gated_rms_norm_ref
+    h = norm(x, norm_weight, z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
+    return F.linear(h.to(weight.dtype), weight, bias)
+
+
+def gated_norm_gemv_triton(
+    x: torch.Tensor,
+    z: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    eps: float,
+    group_size: int | None = None,
+    norm_before_gate: bool = False,
+    pdl: bool = False,
+    config: Mapping[str, Any] | None = None,
+) -> torch.Tensor:
+    """`gated_norm_gemv_ref` in one kernel: each GEMV program normalises the row as it
+    streams it (one launch where the mixer had two). The normalised value is not
+    rounded to the input dtype before the weight multiply (in float32 the two agree to
+    rounding; in 16-bit types this is the more exact of the two). Group sizes no power
+    of two from 16 divides run the two unfused ops."""
+    check_shape("x", x, [1, None])
+    K = x.shape[1]
+    if z is not None:
+        check_shape("z", z, [1, K])
+    check_shape("norm_weight", norm_weight, [K])
+    check_shape("weight", weight, [None, K])
+    N = weight.shape[0]
+    if bias is not None:
+        check_shape("bias", bias, [N])
+    group = K if group_size is None else group_size
+    if group <= 0 or K % group:
+        raise ValueError(f"group_size ({group_size}) must divide the row ({K})")
+    block_k = 1024  # at most: block_n rows of a 8192-element tile share each read of x
+    while block_k > 16 and group % block_k:
+        block_k //= 2
+    if group % block_k or weight.stride(1) != 1:
+        from ssmserve.kernels.gated_rms_norm import gated_rms_norm_triton
+
+        return gated_norm_gemv_ref(
+            x, z, norm_weight, weight, bias, eps=eps, group_size=group_size,
+            norm_before_gate=norm_before_gate, norm=gated_rms_norm_triton,
+        )  # fmt: skip
+    out = torch.empty(1, N, dtype=weight.dtype, device=weight.device)
+    if N == 0:
+        return out
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if z is not None and z.stride(1) != 1:
+        z = z.contiguous()
+    cfg = gemv_launch_config(N, group, weight.device, {"block_k": block_k, **(config or {})})
+    if group % cfg["block_k"]:
+        raise ValueError(f"block_k {cfg['block_k']} must divide the group ({group})")
+    _gated_norm_gemv_kernel[(cdiv(N, cfg["block_n"]),)](
+        x,
+        z,
+        norm_weight,
+        weight,
+        bias,
+        out,
+        N,
+        K,
+        group,
+        float(eps),
+        weight.stride(0),
+        HAS_Z=z is not None,
+        HAS_BIAS=bias is not None,
+        NORM_BEFORE_GATE=norm_before_gate,
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"],
+        PDL=pdl,
+        num_warps=cfg["num_warps"],
+        **pdl_launch(pdl),
+    )
+    return out
+
+
+@lazy_jit(do_not_specialize=["N"])
+def _gated_norm_gemv_kernel(
+    x_ptr,
+    z_ptr,
+    nw_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    K,
+    group,
+    eps,
+    stride_wn,
+    HAS_Z: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NORM_BEFORE_GATE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # y[n] = sum over groups g of rstd_g * sum_{k in g} W[n, k] v[k], where v = h * nw
+    # (times the gate when the norm comes first) and rstd_g = 1 / sqrt(mean_g(h^2) + eps).
+    # BLOCK_K divides the group, so each K tile lies in one group: the tile's products
+    # and squares add into the group's sums, which are scaled and cleared at its end.
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    if PDL:
+        gdc_launch_dependents()
+    # The first tile, before the wait: no kernel writes the weights.
+    w = tl.load(w_ptrs)
+    if PDL:
+        gdc_wait()
+    y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        # The next tile's load before this one's multiply (masked off past the row).
+        w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=(ks + BLOCK_K)[None, :] < K, other=0.0)
+        h = tl.load(x_ptr + ks).to(tl.float32)
+        v = h * tl.load(nw_ptr + ks).to(tl.float32)
+        if HAS_Z:
+            z = tl.load(z_ptr + ks).to(tl.float32)
+            gate = z / (1.0 + tl.exp(-z))
+            v = v * gate
+            if not NORM_BEFORE_GATE:
+                h = h * gate
+        squares += h * h
+        part += tl.sum(w.to(tl.float32) * v[None, :], axis=1)
+        ends = (k0 + BLOCK_K) % group == 0
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / group + eps)
+        y += tl.where(ends, part * rstd, 0.0)
+        part = tl.where(ends, 0.0, part)
+        squares = tl.where(ends, 0.0, squares)
+        w = w_next
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows).to(tl.float32)
+    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)

@@ -12,7 +12,7 @@ Falcon-H1 checkpoints) the scan output is only gated by silu(z).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -93,7 +93,12 @@ class Mamba2Mixer(nn.Module):
     `has_initial_state`. States are read and written by slot, in place; the batch's
     snapshots (prefix caching) also write conv and SSM states at chunk boundaries into
     checkpoint rows.
+
+    `decode_norm_gemv`, where the model runner sets one (decode with PDL), takes a row's
+    gated norm and out_proj in one launch (`gated_norm_gemv`) on one GPU.
     """
+
+    decode_norm_gemv: Callable[..., torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -276,6 +281,20 @@ class Mamba2Mixer(nn.Module):
                 ).reshape(num_prefill_tokens, I)
             )
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        fused = self.decode_norm_gemv
+        if fused is not None and y.shape[0] == 1 and self.norm is not None:
+            if self.norm_local and self.tp.size == 1:
+                group = self.norm_group_size
+                return fused(
+                    y,
+                    z,
+                    self.norm.weight,
+                    self.out_proj.weight,
+                    self.out_proj.bias,
+                    eps=self.norm_eps,
+                    group_size=None if group == self.intermediate_size else group,
+                    norm_before_gate=self.norm_before_gate,
+                )
         return self.out_proj(self._gated_norm(y, z).to(x.dtype))
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from triton_testing import DEVICE, requires_triton
 
 from ssmserve import LLM, SamplingParams
 from ssmserve.kernels._common import LazyKernel
-from ssmserve.kernels.gemv import gemv_triton
+from ssmserve.kernels.gemv import gated_norm_gemv_triton, gemv_triton
 from tests.tiny_models import make_tiny_checkpoint
 
 pytestmark = [
@@ -79,10 +79,12 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
     for family, shape in shapes.items():
         path = make_tiny_checkpoint(str(tmp_path / family), family, seed=0, **shape)
         llm = LLM(path, **common)
-        # The one-row linears through the GEMV, as --decode-pdl runs them.
+        # The one-row linears through the GEMVs, as decode with PDL runs them.
         for module in llm.llm_engine.executor.runner.model.modules():
             if hasattr(module, "decode_gemv"):
                 module.decode_gemv = gemv_triton
+            if hasattr(module, "decode_norm_gemv"):
+                module.decode_norm_gemv = gated_norm_gemv_triton
         llm.generate(prompts[:1], params, use_tqdm=False)  # one row alone
         llm.generate(prompts, params, use_tqdm=False)
         del llm
@@ -97,6 +99,7 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
         "_moe_up_kernel",
         "_align_kernel",
         "_gemv_kernel",
+        "_gated_norm_gemv_kernel",
     ):
         assert expected in names, (expected, sorted(names))
     # The kernels that take PDL compile launched with it too (sm_90 GPUs run them so with
@@ -109,6 +112,7 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
     pdl_names = {kernel.name for kernel, _, _ in pdl_variants}
     assert {
         "_gemv_kernel",
+        "_gated_norm_gemv_kernel",
         "_mamba2_decode_kernel",
         "_add_rms_norm_kernel",
         "_paged_attention_kernel",

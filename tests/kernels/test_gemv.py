@@ -10,7 +10,14 @@ from kernel_testing import assert_close, randn, seeded
 from triton_testing import DEVICE, requires_triton
 
 from ssmserve.kernels import PDL_OPS, get_ops
-from ssmserve.kernels.gemv import gemv_launch_config, gemv_ref, gemv_triton
+from ssmserve.kernels.gated_rms_norm import gated_rms_norm_ref
+from ssmserve.kernels.gemv import (
+    gated_norm_gemv_ref,
+    gated_norm_gemv_triton,
+    gemv_launch_config,
+    gemv_ref,
+    gemv_triton,
+)
 
 
 @requires_triton
@@ -35,6 +42,39 @@ def test_triton_matches_float64_linear(dtype, bias, N, K, config):
     assert got.shape == (1, N) and got.dtype == dtype
     assert_close(got, want)
     assert_close(gemv_ref(x, w, b), want)
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gated, norm_before_gate", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize(
+    "N, K, group, bias",
+    [
+        (37, 64, None, False),  # one group over four 16-wide K tiles
+        (21, 96, 32, True),  # three groups of two tiles: each group's squares apart
+        (9, 48, 16, False),  # groups of one tile
+    ],
+)
+def test_gated_norm_gemv_matches_the_norm_then_the_linear(
+    dtype, gated, norm_before_gate, N, K, group, bias
+):
+    """The fused kernel against the gated norm and the linear in float64 (the norm's
+    value unrounded, as the kernel keeps it), and the reference op against its parts."""
+    gen = seeded(1)
+    x = randn(1, K, gen=gen, dtype=dtype).to(DEVICE)
+    z = randn(1, K, gen=gen, dtype=dtype).to(DEVICE) if gated else None
+    nw = (randn(K, gen=gen, dtype=dtype) * 0.5 + 1).to(DEVICE)
+    w = randn(N, K, gen=gen, dtype=dtype, scale=K**-0.5).to(DEVICE)
+    b = randn(N, gen=gen, dtype=dtype).to(DEVICE) if bias else None
+    norm = dict(eps=1e-5, group_size=group, norm_before_gate=norm_before_gate)
+    h = gated_rms_norm_ref(x.double(), nw.double(), None if z is None else z.double(), **norm)
+    want = F.linear(h, w.double(), None if b is None else b.double())
+    config = {"block_k": 16, "block_tile": 64}  # 4 rows a program
+    got = gated_norm_gemv_triton(x, z, nw, w, b, **norm, config=config)
+    assert got.shape == (1, N) and got.dtype == dtype
+    assert_close(got, want)
+    ref = gated_norm_gemv_ref(x, z, nw, w, b, **norm)
+    assert torch.equal(ref, F.linear(gated_rms_norm_ref(x, nw, z, **norm), w, b))
 
 
 def test_launch_config_picks_a_dividing_tile_and_enough_programs():
