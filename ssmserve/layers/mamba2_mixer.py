@@ -284,32 +284,24 @@ class Mamba2Mixer(nn.Module):
         fused = self.decode_norm_gemv
         if fused is not None and y.shape[0] == 1 and self.norm is not None:
             if self.norm_local and self.tp.size == 1:
-                group = self.norm_group_size
-                return fused(
-                    y,
-                    z,
-                    self.norm.weight,
-                    self.out_proj.weight,
-                    self.out_proj.bias,
-                    eps=self.norm_eps,
-                    group_size=None if group == self.intermediate_size else group,
-                    norm_before_gate=self.norm_before_gate,
-                )
+                out = self.out_proj
+                return fused(y, z, self.norm.weight, out.weight, out.bias, **self._norm_args())
         return self.out_proj(self._gated_norm(y, z).to(x.dtype))
+
+    def _norm_args(self) -> dict:
+        """The gated norm's options when each rank normalises its own groups."""
+        group = self.norm_group_size
+        return dict(
+            eps=self.norm_eps,
+            group_size=None if group == self.intermediate_size else group,
+            norm_before_gate=self.norm_before_gate,
+        )
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         if self.norm is None:
             return y * F.silu(z)
         if self.norm_local:
-            group = self.norm_group_size
-            return self.ops.gated_rms_norm(
-                y,
-                self.norm.weight,
-                z,
-                eps=self.norm_eps,
-                group_size=None if group == self.intermediate_size else group,
-                norm_before_gate=self.norm_before_gate,
-            )
+            return self.ops.gated_rms_norm(y, self.norm.weight, z, **self._norm_args())
         # A normalisation group spans ranks: sum each group's squares over the ranks.
         gate = F.silu(z.float())
         h = y.float() if self.norm_before_gate else y.float() * gate
