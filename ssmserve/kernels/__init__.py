@@ -160,7 +160,7 @@ def get_ops(backend: str, device: torch.device | str, pdl: bool | None = False) 
         field: getattr(importlib.import_module(f"ssmserve.kernels.{module}"), name)
         for field, (module, name) in targets.items()
     }
-    if pdl or pdl is None:
+    if pdl is not False:
         from ssmserve.kernels._common import pdl_unavailable_reason
 
         reason = pdl_unavailable_reason(device)

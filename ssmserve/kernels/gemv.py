@@ -18,7 +18,7 @@ benchmarks/kernels/bench_pdl.py measures it against F.linear in decode-shaped ch
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -35,6 +35,11 @@ from ssmserve.kernels._common import (
     num_sms,
     pdl_launch,
     tl,
+)
+from ssmserve.kernels.gated_rms_norm import (
+    _check_norm_args,
+    gated_rms_norm_ref,
+    gated_rms_norm_triton,
 )
 
 
@@ -192,15 +197,13 @@ def gated_norm_gemv_ref(
     eps: float,
     group_size: int | None = None,
     norm_before_gate: bool = False,
-    norm: Any = None,
+    norm: Callable[..., torch.Tensor] | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """The Mamba2 mixer's last two steps for one row: `gated_rms_norm(x, norm_weight, z)`
     rounded to the weight's dtype, then the linear. `norm` is the gated norm op to use
     (default: the PyTorch twin; the eager form of the fused op passes the backend's);
     `pdl` is the Triton launcher's. x, z [1, K]; weight [N, K]; returns [1, N]."""
-    from ssmserve.kernels.gated_rms_norm import gated_rms_norm_ref
-
     norm = norm or gated_rms_norm_ref
     h = norm(x, norm_weight, z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
     return F.linear(h.to(weight.dtype), weight, bias)
@@ -225,23 +228,15 @@ def gated_norm_gemv_triton(
     rounding; in 16-bit types this is the more exact of the two). Group sizes no power
     of two from 16 divides run the two unfused ops."""
     check_shape("x", x, [1, None])
-    K = x.shape[1]
-    if z is not None:
-        check_shape("z", z, [1, K])
-    check_shape("norm_weight", norm_weight, [K])
+    _, K, group = _check_norm_args(x, norm_weight, z, group_size)
     check_shape("weight", weight, [None, K])
     N = weight.shape[0]
     if bias is not None:
         check_shape("bias", bias, [N])
-    group = K if group_size is None else group_size
-    if group <= 0 or K % group:
-        raise ValueError(f"group_size ({group_size}) must divide the row ({K})")
     block_k = 1024  # at most: block_n rows of a 8192-element tile share each read of x
     while block_k > 16 and group % block_k:
         block_k //= 2
     if group % block_k or weight.stride(1) != 1:
-        from ssmserve.kernels.gated_rms_norm import gated_rms_norm_triton
-
         return gated_norm_gemv_ref(
             x, z, norm_weight, weight, bias, eps=eps, group_size=group_size,
             norm_before_gate=norm_before_gate, norm=gated_rms_norm_triton,
