@@ -101,13 +101,14 @@ def test_fused_mamba2_decode_gives_the_tokens_of_the_unfused_kernels(
 
 @pytest.mark.parametrize("variant", ["bamba", "mamba"])
 def test_one_row_gemv_gives_the_tokens_of_f_linear(checkpoint, variant):
-    """With the linears of one row through the Triton GEMV, and the Mamba2 mixers' gated
-    norm and out_proj through the fused one (what decode with PDL runs, here without
-    PDL, which needs an sm_90 GPU): the greedy tokens and logprobs of F.linear, over a
+    """With the linears of one row through the Triton GEMV, the Mamba2 mixers' gated norm
+    and out_proj through the fused one, and the gated MLPs' act-and-mul and down_proj
+    through theirs (what decode with PDL runs, here without PDL, which needs an sm_90
+    GPU): the greedy tokens and logprobs of F.linear, over a
     one-token prompt's prefill and the decode steps of one sequence, and every linear's
     weight read by a GEMV. Bamba has every kind of linear: the Mamba2 projections,
     attention's, the MLP's, the LM head; Mamba1 adds x_proj and dt_proj."""
-    from ssmserve.kernels.gemv import gated_norm_gemv_triton, gemv_triton
+    from ssmserve.kernels.gemv import act_mul_gemv_triton, gated_norm_gemv_triton, gemv_triton
 
     prompts = [{"prompt_token_ids": [7]}, "def hello(x):\n    return"]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0)
@@ -134,10 +135,21 @@ def test_one_row_gemv_gives_the_tokens_of_f_linear(checkpoint, variant):
     mixers = [m for m in runner_model(llm).modules() if hasattr(m, "decode_norm_gemv")]
     for module in mixers:
         module.decode_norm_gemv = recording_norm_gemv
+    acts = []
+
+    def recording_act_gemv(gate_up, weight, bias=None, **act):
+        acts.append(act["act"])
+        read.add(weight.data_ptr())
+        return act_mul_gemv_triton(gate_up, weight, bias, **act)
+
+    mlps = [m for m in runner_model(llm).modules() if hasattr(m, "decode_act_gemv")]
+    for module in mlps:
+        module.decode_act_gemv = recording_act_gemv
     with record_compile_keys() as keys:
         got = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     assert "_gemv_kernel" in keys
     assert ("_gated_norm_gemv_kernel" in keys) == (variant == "bamba") == bool(mixers)
+    assert (variant == "bamba") == bool(mlps) == bool(acts)
     assert {m.weight.data_ptr() for m in linears} <= read
     assert_same_greedy_outputs(ref, got)
 

@@ -37,7 +37,8 @@ the wait) and `gemv+pdl+prefetch` (the state too: `--decode-pdl`'s form). Sectio
 The Mamba2 chain also runs with the mixer's gated RMSNorm before out_proj, two ways:
 `+norm` (the norm's kernel, then the GEMV, as decode ran before `gated_norm_gemv`) and
 `+fused` (`gated_norm_gemv`: one launch, each GEMV program normalising the row as it
-streams it), and checks that the two agree.
+streams it), and checks that the two agree. The MLP chain also runs with its SiLU-and-mul
+inside the down GEMV (`+act`: `act_mul_gemv`), checked against the two launches.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ from ssmserve.kernels._common import (
     tl,
 )
 from ssmserve.kernels.gated_rms_norm import gated_rms_norm_triton
-from ssmserve.kernels.gemv import gated_norm_gemv_triton, gemv_triton
+from ssmserve.kernels.gemv import act_mul_gemv_triton, gated_norm_gemv_triton, gemv_triton
 
 SECTIONS = ("accuracy", "chain", "sweep")
 OPTS = parse_args(__doc__, SECTIONS)
@@ -240,6 +241,22 @@ class Chain:
                 u, self.v, self.d, BLOCK=block, PDL=pdl, **pdl_launch(pdl)
             )
 
+    def second_linear(
+        self, layer: int, form: str, pdl: bool, config: dict[str, Any] | None
+    ) -> torch.Tensor:
+        """out_proj (down) of the mixer's output v, with the gated norm before it in the
+        +norm and +fused forms."""
+        if form.endswith("+fused"):
+            return gated_norm_gemv_triton(
+                self.v[None], None, self.nw, self.w2[layer], eps=1e-5, pdl=pdl, config=config
+            )[0]
+        if form.endswith("+norm"):
+            v = gated_rms_norm_triton(self.v[None], self.nw, eps=1e-5, pdl=pdl)
+            return gemv(v[0], self.w2[layer], pdl, config)
+        if form.startswith("cublas"):
+            return F.linear(self.v[None], self.w2[layer])[0]
+        return gemv(self.v, self.w2[layer], pdl, config)
+
     def run(self, form: str, config: dict[str, Any] | None = None) -> torch.Tensor:
         self.h.copy_(self.h0)
         self.r.copy_(self.h0)
@@ -249,18 +266,13 @@ class Chain:
                 u = F.linear(self.h[None], self.w1[layer])[0]
             else:
                 u = gemv(self.h, self.w1[layer], pdl, config)
-            self.mixer(layer, u, pdl, prefetch)
-            if form.endswith("+fused"):
-                o = gated_norm_gemv_triton(
-                    self.v[None], None, self.nw, self.w2[layer], eps=1e-5, pdl=pdl, config=config
+            if form.endswith("+act"):  # the MLP's SiLU-and-mul inside the down GEMV
+                o = act_mul_gemv_triton(
+                    u[None], self.w2[layer], act="silu", pdl=pdl, config=config
                 )[0]
-            elif form.endswith("+norm"):
-                v = gated_rms_norm_triton(self.v[None], self.nw, eps=1e-5, pdl=pdl)
-                o = gemv(v[0], self.w2[layer], pdl, config)
-            elif cublas:
-                o = F.linear(self.v[None], self.w2[layer])[0]
             else:
-                o = gemv(self.v, self.w2[layer], pdl, config)
+                self.mixer(layer, u, pdl, prefetch)
+                o = self.second_linear(layer, form, pdl, config)
             _add_norm_kernel[(1,)](
                 o,
                 self.r,
@@ -282,10 +294,11 @@ def _forms() -> tuple[str, ...]:
     return FORMS if _pdl_possible() else tuple(f for f in FORMS if "pdl" not in f)
 
 
-def _norm_forms() -> tuple[str, str]:
-    """The gated norm before out_proj as its own kernel, and fused into the GEMV."""
+def _fused_forms(heads: int) -> tuple[str, str]:
+    """A Mamba2 chain's gated norm before out_proj as its own kernel, and fused into the
+    GEMV; an MLP chain's SiLU-and-mul as its own kernel, and fused into the down GEMV."""
     base = "gemv+pdl+prefetch" if _pdl_possible() else "gemv"
-    return base + "+norm", base + "+fused"
+    return (base + "+norm", base + "+fused") if heads else (base, base + "+act")
 
 
 def accuracy() -> None:
@@ -299,16 +312,17 @@ def accuracy() -> None:
             errors = {"gemv": rel_err(out, ref), "F.linear": rel_err(F.linear(x, w), ref)}
             record_check(f"{name} {n}x{k} bf16 against float32", errors)
     for name, shape in CHAINS.items():
-        if not shape[3]:
-            continue
         c = Chain(*shape)
         outputs = []
-        for form in _norm_forms():
+        forms = _fused_forms(shape[3])
+        for form in forms:
             c.s.copy_(c.s0)
             outputs.append(c.run(form).clone())
         unfused, fused = outputs
-        # Not bit for bit: the fused kernel keeps the normalised value unrounded.
-        record_check(f"{name}: {_norm_forms()[1]} against +norm", {"h": rel_err(fused, unfused)})
+        # Not bit for bit: the fused norm is kept unrounded, and act_mul_gemv rounds the
+        # activation before the product as the engine's act_and_mul does (the stand-in
+        # rounds once).
+        record_check(f"{name}: {forms[1]} against {forms[0]}", {"h": rel_err(fused, unfused)})
         del c
     if not _pdl_possible():
         log("accuracy: no sm_90 GPU, the PDL forms are not run")
@@ -358,7 +372,8 @@ def _time_chain(name: str, chain: Chain, form: str, config: dict[str, Any] | Non
 def chain() -> None:
     for name, shape in CHAINS.items():
         c = Chain(*shape)
-        for form in _forms() + (_norm_forms() if shape[3] else ()):
+        forms = _forms()
+        for form in forms + tuple(f for f in _fused_forms(shape[3]) if f not in forms):
             _time_chain(name, c, form, None)
         del c
         if DEV.type == "cuda":

@@ -52,11 +52,15 @@ class ModelRunner:
         self.model = self._build_model(model_config)
         if self.ops.pdl:
             # The linears of one row (batch-1 decode) chain with the other PDL kernels.
+            fused = {
+                "decode_gemv": self.ops.gemv,
+                "decode_norm_gemv": self.ops.gated_norm_gemv,
+                "decode_act_gemv": self.ops.act_mul_gemv,
+            }
             for module in self.model.modules():
-                if hasattr(module, "decode_gemv"):
-                    module.decode_gemv = self.ops.gemv
-                if hasattr(module, "decode_norm_gemv"):
-                    module.decode_norm_gemv = self.ops.gated_norm_gemv
+                for attr, op in fused.items():
+                    if hasattr(module, attr):
+                        setattr(module, attr, op)
         self.cache_specs = self.model.cache_specs()
         self.rounding_seeds = self._rounding_seeds()
         self.caches: list[LayerCache] = []

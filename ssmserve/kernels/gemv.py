@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ssmserve.kernels._common import (
     cdiv,
     check_shape,
+    device_function,
     gdc_launch_dependents,
     gdc_wait,
     launch_config,
@@ -35,6 +36,13 @@ from ssmserve.kernels._common import (
     num_sms,
     pdl_launch,
     tl,
+)
+from ssmserve.kernels.activation import (
+    ACT_CODES,
+    _check_act_args,
+    act_and_mul_ref,
+    act_and_mul_triton,
+    activate,
 )
 from ssmserve.kernels.gated_rms_norm import (
     _check_norm_args,
@@ -67,19 +75,24 @@ def gemv_ref(
 
 
 def gemv_launch_config(
-    N: int, K: int, device: torch.device, config: Mapping[str, Any] | None = None
+    N: int,
+    K: int,
+    device: torch.device,
+    config: Mapping[str, Any] | None = None,
+    *,
+    max_block_k: int = 4096,
 ) -> dict[str, Any]:
-    """block_k (a power of two: the largest up to 4096 dividing K, else K's next power of
-    two capped at 4096), block_tile (weight elements a program holds per step; block_n =
+    """block_k (a power of two: the largest up to `max_block_k` dividing K, else K's next
+    power of two capped there), block_tile (weight elements a program holds per step; block_n =
     block_tile // block_k rows, halved while that leaves under two programs an SM: a
     narrow weight such as Mamba's x_proj, 192 rows, still spreads over the GPU),
     num_warps: 4, the fastest of bench_pdl.py's sweep on the H100 (2026-12-06: Mamba2-2.7B
     chain 2.42 ms against 2.52 with 8; Llama-3-8B MLP 3.82 against 3.83)."""
-    block_k = 4096
+    block_k = max_block_k
     while block_k > 16 and K % block_k:
         block_k //= 2
     if K % block_k:
-        block_k = min(next_pow2(K), 4096)
+        block_k = min(next_pow2(K), max_block_k)
     cfg = launch_config("gemv", {"block_k": block_k, "block_tile": 8192, "num_warps": 4}, config)
     block_n = max(1, cfg["block_tile"] // cfg["block_k"])
     # The interpreter has no SMs; a small stand-in lets CPU tests reach the halving.
@@ -88,6 +101,25 @@ def gemv_launch_config(
         block_n //= 2
     cfg["block_n"] = block_n
     return cfg
+
+
+@device_function
+def _x_tile(x_ptr, ks, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
+    # x[ks] in float32. With ACT >= 0, x_ptr holds gate ++ up (2K) and the tile is
+    # act(gate) * up, rounded as `act_and_mul` rounds it (act, then the product, to x's
+    # dtype): the GEMV's input is the value the two launches would pass.
+    if EVEN_K:
+        x = tl.load(x_ptr + ks)
+    else:
+        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+    if ACT >= 0:
+        if EVEN_K:
+            u = tl.load(x_ptr + K + ks)
+        else:
+            u = tl.load(x_ptr + K + ks, mask=ks < K, other=0.0)
+        a = activate(x.to(tl.float32), ACT).to(x.dtype).to(tl.float32) * u.to(tl.float32)
+        x = a.to(x.dtype)
+    return x.to(tl.float32)
 
 
 @lazy_jit(do_not_specialize=["N"])
@@ -103,6 +135,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    ACT: tl.constexpr,  # -1: x as it is; else act_and_mul's code, x being gate ++ up
     PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -124,20 +157,15 @@ def _gemv_kernel(
     for k0 in range(0, K - BLOCK_K, BLOCK_K):
         # Every tile but the last, the next one's load issued before this one's multiply.
         ks = k0 + offs_k
+        x = _x_tile(x_ptr, ks, K, EVEN_K, ACT)
         if EVEN_K:
-            x = tl.load(x_ptr + ks)
             w_next = tl.load(w_ptrs + (k0 + BLOCK_K))
         else:
-            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
             w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=(ks + BLOCK_K)[None, :] < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * x[None, :]
         w = w_next
     ks = tl.cdiv(K, BLOCK_K) * BLOCK_K - BLOCK_K + offs_k
-    if EVEN_K:
-        x = tl.load(x_ptr + ks)
-    else:
-        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
-    acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    acc += w.to(tl.float32) * _x_tile(x_ptr, ks, K, EVEN_K, ACT)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows).to(tl.float32)
@@ -160,11 +188,27 @@ def gemv_triton(
         return out
     if K == 0:
         return out.zero_() if bias is None else out.copy_(bias[None])
+    return _launch_gemv(x, weight, bias, out, K, -1, pdl, config)
+
+
+def _launch_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    K: int,
+    act: int,
+    pdl: bool,
+    config: Mapping[str, Any] | None,
+    max_block_k: int = 4096,
+) -> torch.Tensor:
+    """`_gemv_kernel` over x (gate ++ up when act >= 0) into out [1, N]."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
         raise ValueError("gemv needs the weight's rows contiguous (nn.Linear's layout)")
-    cfg = gemv_launch_config(N, K, x.device, config)
+    N = weight.shape[0]
+    cfg = gemv_launch_config(N, K, x.device, config, max_block_k=max_block_k)
     _gemv_kernel[(cdiv(N, cfg["block_n"]),)](
         x,
         weight,
@@ -177,11 +221,66 @@ def gemv_triton(
         BLOCK_N=cfg["block_n"],
         BLOCK_K=cfg["block_k"],
         EVEN_K=K % cfg["block_k"] == 0,
+        ACT=act,
         PDL=pdl,
         num_warps=cfg["num_warps"],
         **pdl_launch(pdl),
     )
     return out
+
+
+# ------------------------------------------------------------------ act-and-mul + GEMV
+
+
+def _check_act_gemv_args(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str
+) -> tuple[int, int]:
+    check_shape("gate_up", gate_up, [1, None])
+    _, inter = _check_act_args(gate_up, act)
+    return _check_gemv_args(gate_up[:, :inter], weight, bias)
+
+
+def act_mul_gemv_ref(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str,
+    act_and_mul: Callable[..., torch.Tensor] | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """A gated MLP's last two steps for one row: `act_and_mul(gate_up)`, then the down
+    projection. `act_and_mul` is the op to use (default: the PyTorch twin; the eager form
+    of the fused op passes the backend's); `pdl` is the Triton launcher's. gate_up
+    [1, 2I] (gate then up); weight [N, I]; returns [1, N] in gate_up's dtype."""
+    _check_act_gemv_args(gate_up, weight, bias, act)
+    return F.linear((act_and_mul or act_and_mul_ref)(gate_up, act=act), weight, bias)
+
+
+def act_mul_gemv_triton(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str,
+    pdl: bool = False,
+    config: Mapping[str, Any] | None = None,
+) -> torch.Tensor:
+    """`act_mul_gemv_ref` in one kernel: each GEMV program computes act(gate) * up as it
+    streams the row (rounded as act_and_mul stores it), one launch where the MLP had two.
+    block_k is at most 1024, so a program holds >= 8 weight rows and its extra reads (gate
+    and up, from L2) stay at a quarter of its weight bytes or less."""
+    N, inter = _check_act_gemv_args(gate_up, weight, bias, act)
+    out = torch.empty(1, N, dtype=gate_up.dtype, device=gate_up.device)
+    if N == 0:
+        return out
+    if inter == 0:
+        return out.zero_() if bias is None else out.copy_(bias[None])
+    if gate_up.stride(1) != 1:
+        gate_up = gate_up.contiguous()
+    if weight.stride(1) != 1:  # as F.linear takes it: the two launches
+        return F.linear(act_and_mul_triton(gate_up, act=act), weight, bias)
+    return _launch_gemv(gate_up, weight, bias, out, inter, ACT_CODES[act], pdl, config, 1024)
 
 
 # ------------------------------------------------------------------ gated norm + GEMV

@@ -24,7 +24,7 @@ from triton_testing import DEVICE, requires_triton
 
 from ssmserve import LLM, SamplingParams
 from ssmserve.kernels._common import LazyKernel
-from ssmserve.kernels.gemv import gated_norm_gemv_triton, gemv_triton
+from ssmserve.kernels.gemv import act_mul_gemv_triton, gated_norm_gemv_triton, gemv_triton
 from tests.tiny_models import make_tiny_checkpoint
 
 pytestmark = [
@@ -85,11 +85,18 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
                 module.decode_gemv = gemv_triton
             if hasattr(module, "decode_norm_gemv"):
                 module.decode_norm_gemv = gated_norm_gemv_triton
+            if hasattr(module, "decode_act_gemv"):
+                module.decode_act_gemv = act_mul_gemv_triton
         llm.generate(prompts[:1], params, use_tqdm=False)  # one row alone
         llm.generate(prompts, params, use_tqdm=False)
         del llm
     monkeypatch.undo()
     names = {name for name, _ in launches}
+    # The GEMV with the gated MLP's act-and-mul in front of it is its own variant.
+    acts = {
+        kwargs["ACT"] for kernel, _, kwargs in launches.values() if kernel.name == "_gemv_kernel"
+    }
+    assert acts == {-1, 0}, acts
     for expected in (
         "_mamba2_decode_kernel",
         "_ssd_chunk_scan_kernel",

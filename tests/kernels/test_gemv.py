@@ -10,8 +10,11 @@ from kernel_testing import assert_close, randn, seeded
 from triton_testing import DEVICE, requires_triton
 
 from ssmserve.kernels import PDL_OPS, get_ops
+from ssmserve.kernels.activation import act_and_mul_ref
 from ssmserve.kernels.gated_rms_norm import gated_rms_norm_ref
 from ssmserve.kernels.gemv import (
+    act_mul_gemv_ref,
+    act_mul_gemv_triton,
     gated_norm_gemv_ref,
     gated_norm_gemv_triton,
     gemv_launch_config,
@@ -77,6 +80,34 @@ def test_gated_norm_gemv_matches_the_norm_then_the_linear(
     assert torch.equal(ref, F.linear(gated_rms_norm_ref(x, nw, z, **norm), w, b))
 
 
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "act, N, inter, bias, config",
+    [
+        ("silu", 37, 64, False, {"block_k": 16, "block_tile": 64}),  # 4 tiles, 4 rows
+        ("gelu", 9, 40, True, None),  # no power of two from 16 divides: one masked tile
+        ("gelu_pytorch_tanh", 21, 48, False, {"block_k": 16, "block_tile": 32}),
+        ("relu", 5, 200, True, {"block_k": 64, "block_tile": 128}),  # the last tile masked
+    ],
+)
+def test_act_mul_gemv_matches_act_and_mul_then_the_linear(dtype, act, N, inter, bias, config):
+    """The fused kernel against PyTorch's act(gate) * up (rounded to the dtype, as the MLP
+    passes it on) times the weight in float64, and the reference op against its parts."""
+    gen = seeded(2)
+    gate_up = randn(1, 2 * inter, gen=gen, dtype=dtype).to(DEVICE)
+    w = randn(N, inter, gen=gen, dtype=dtype, scale=inter**-0.5).to(DEVICE)
+    b = randn(N, gen=gen, dtype=dtype).to(DEVICE) if bias else None
+    h = act_and_mul_ref(gate_up, act=act)
+    want = F.linear(h.double(), w.double(), None if b is None else b.double())
+    got = act_mul_gemv_triton(gate_up, w, b, act=act, config=config)
+    assert got.shape == (1, N) and got.dtype == dtype
+    assert_close(got, want)
+    assert torch.equal(act_mul_gemv_ref(gate_up, w, b, act=act), F.linear(h, w, b))
+    with pytest.raises(ValueError, match="weight must have shape"):
+        act_mul_gemv_ref(gate_up, w[:, 1:], b, act=act)
+
+
 def test_launch_config_picks_a_dividing_tile_and_enough_programs():
     cpu = torch.device("cpu")  # stands in for a GPU of 2 SMs: at least 4 programs
     assert gemv_launch_config(4096, 2560, cpu)["block_k"] == 512  # 2560 = 5 x 512
@@ -84,6 +115,7 @@ def test_launch_config_picks_a_dividing_tile_and_enough_programs():
     cfg = gemv_launch_config(4096, 4096, cpu)
     assert cfg["block_k"] == 4096 and cfg["block_n"] == 2
     assert gemv_launch_config(4096, 40, cpu)["block_k"] == 64  # none divides: one masked
+    assert gemv_launch_config(4096, 14336, cpu, max_block_k=1024)["block_k"] == 1024
     # 16 rows of 512 a program would make 1 program of all 12 rows: halved to 2, 6 programs
     narrow = gemv_launch_config(12, 512, cpu)
     assert narrow["block_n"] == 2 and -(-12 // narrow["block_n"]) >= 4
