@@ -103,12 +103,18 @@ def test_fused_mamba2_decode_gives_the_tokens_of_the_unfused_kernels(
 def test_one_row_gemv_gives_the_tokens_of_f_linear(checkpoint, variant):
     """With the linears of one row through the Triton GEMV, the Mamba2 mixers' gated norm
     and out_proj through the fused one, and the gated MLPs' act-and-mul and down_proj
-    through theirs (what decode with PDL runs, here without PDL, which needs an sm_90
-    GPU): the greedy tokens and logprobs of F.linear, over a
-    one-token prompt's prefill and the decode steps of one sequence, and every linear's
-    weight read by a GEMV. Bamba has every kind of linear: the Mamba2 projections,
-    attention's, the MLP's, the LM head; Mamba1 adds x_proj and dt_proj."""
-    from ssmserve.kernels.gemv import act_mul_gemv_triton, gated_norm_gemv_triton, gemv_triton
+    through theirs, and in Mamba the residual add, norm and in_proj through another (what
+    decode with PDL runs, here without PDL, which needs an sm_90 GPU): the greedy tokens
+    and logprobs of F.linear, over a one-token prompt's prefill and the decode steps of
+    one sequence, and every linear's weight read by a GEMV. Bamba has every kind of
+    linear: the Mamba2 projections, attention's, the MLP's, the LM head; Mamba1 adds
+    x_proj and dt_proj."""
+    from ssmserve.kernels.gemv import (
+        act_mul_gemv_triton,
+        add_norm_gemv_triton,
+        gated_norm_gemv_triton,
+        gemv_triton,
+    )
 
     prompts = [{"prompt_token_ids": [7]}, "def hello(x):\n    return"]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0)
@@ -145,11 +151,22 @@ def test_one_row_gemv_gives_the_tokens_of_f_linear(checkpoint, variant):
     mlps = [m for m in runner_model(llm).modules() if hasattr(m, "decode_act_gemv")]
     for module in mlps:
         module.decode_act_gemv = recording_act_gemv
+    adds = []
+
+    def recording_add_norm_gemv(x, residual, norm_weight, weight, bias=None, **norm):
+        adds.append(weight.data_ptr())
+        read.add(weight.data_ptr())
+        return add_norm_gemv_triton(x, residual, norm_weight, weight, bias, **norm)
+
+    model = runner_model(llm)
+    if hasattr(model, "decode_add_norm_gemv"):
+        model.decode_add_norm_gemv = recording_add_norm_gemv
     with record_compile_keys() as keys:
         got = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     assert "_gemv_kernel" in keys
     assert ("_gated_norm_gemv_kernel" in keys) == (variant == "bamba") == bool(mixers)
     assert (variant == "bamba") == bool(mlps) == bool(acts)
+    assert (variant == "mamba") == bool(adds)  # every block's in_proj but the first's
     assert {m.weight.data_ptr() for m in linears} <= read
     assert_same_greedy_outputs(ref, got)
 

@@ -56,6 +56,7 @@ class ModelRunner:
                 "decode_gemv": self.ops.gemv,
                 "decode_norm_gemv": self.ops.gated_norm_gemv,
                 "decode_act_gemv": self.ops.act_mul_gemv,
+                "decode_add_norm_gemv": self.ops.add_norm_gemv,
             }
             for module in self.model.modules():
                 for attr, op in fused.items():

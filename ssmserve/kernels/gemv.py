@@ -45,7 +45,10 @@ from ssmserve.kernels.activation import (
     activate,
 )
 from ssmserve.kernels.gated_rms_norm import (
+    _check_add_norm_args,
     _check_norm_args,
+    add_rms_norm_ref,
+    add_rms_norm_triton,
     gated_rms_norm_ref,
     gated_rms_norm_triton,
 )
@@ -352,6 +355,8 @@ def gated_norm_gemv_triton(
     _gated_norm_gemv_kernel[(cdiv(N, cfg["block_n"]),)](
         x,
         z,
+        None,
+        None,
         norm_weight,
         weight,
         bias,
@@ -362,6 +367,7 @@ def gated_norm_gemv_triton(
         float(eps),
         weight.stride(0),
         HAS_Z=z is not None,
+        HAS_RESIDUAL=False,
         HAS_BIAS=bias is not None,
         NORM_BEFORE_GATE=norm_before_gate,
         BLOCK_N=cfg["block_n"],
@@ -377,6 +383,8 @@ def gated_norm_gemv_triton(
 def _gated_norm_gemv_kernel(
     x_ptr,
     z_ptr,
+    r_ptr,
+    s_ptr,
     nw_ptr,
     w_ptr,
     bias_ptr,
@@ -387,6 +395,7 @@ def _gated_norm_gemv_kernel(
     eps,
     stride_wn,
     HAS_Z: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     NORM_BEFORE_GATE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -397,6 +406,8 @@ def _gated_norm_gemv_kernel(
     # (times the gate when the norm comes first) and rstd_g = 1 / sqrt(mean_g(h^2) + eps).
     # BLOCK_K divides the group, so each K tile lies in one group: the tile's products
     # and squares add into the group's sums, which are scaled and cleared at its end.
+    # With a residual, h is s = residual + x in the residual's dtype, then in the norm
+    # weight's (add_rms_norm's roundings), and program 0 writes s out.
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -415,7 +426,13 @@ def _gated_norm_gemv_kernel(
         ks = k0 + offs_k
         # The next tile's load before this one's multiply (masked off past the row).
         w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=(ks + BLOCK_K)[None, :] < K, other=0.0)
-        h = tl.load(x_ptr + ks).to(tl.float32)
+        h = tl.load(x_ptr + ks)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + ks)
+            h = (r.to(tl.float32) + h.to(tl.float32)).to(r.dtype)
+            tl.store(s_ptr + ks, h, mask=(ks < K) & (pid == 0))
+            h = h.to(nw_ptr.dtype.element_ty)
+        h = h.to(tl.float32)
         v = h * tl.load(nw_ptr + ks).to(tl.float32)
         if HAS_Z:
             z = tl.load(z_ptr + ks).to(tl.float32)
@@ -434,3 +451,92 @@ def _gated_norm_gemv_kernel(
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows).to(tl.float32)
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+# ------------------------------------------------------------- residual add, norm + GEMV
+
+
+def add_norm_gemv_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    eps: float,
+    add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm block's start for one row: `add_rms_norm(x, residual, norm_weight)`,
+    whose output feeds the linear. Returns (the linear's output [1, N], s = residual + x
+    in residual's dtype: the new residual stream). `add_norm` is the op to use (default:
+    the PyTorch twin; the eager form of the fused op passes the backend's); `pdl` is the
+    Triton launcher's. x, residual [1, K]; weight [N, K]."""
+    check_shape("x", x, [1, None])
+    h, s = (add_norm or add_rms_norm_ref)(x, residual, norm_weight, eps=eps)
+    return F.linear(h, weight, bias), s
+
+
+def add_norm_gemv_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    eps: float,
+    pdl: bool = False,
+    config: Mapping[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_norm_gemv_ref` in one kernel (`_gated_norm_gemv_kernel` with one group, no
+    gate and the residual add): each GEMV program adds and normalises the row as it
+    streams it, and the first writes s, out of place (the others still read the old
+    residual). The normalised value is not rounded before the weight multiply, as in
+    `gated_norm_gemv_triton`. Widths no power of two from 16 divides run the two ops."""
+    check_shape("x", x, [1, None])
+    _, K = _check_add_norm_args(x, residual, norm_weight)
+    check_shape("weight", weight, [None, K])
+    N = weight.shape[0]
+    if bias is not None:
+        check_shape("bias", bias, [N])
+    block_k = 1024  # at most, as in gated_norm_gemv_triton
+    while block_k > 16 and K % block_k:
+        block_k //= 2
+    if K % block_k or weight.stride(1) != 1:
+        h, s = add_rms_norm_triton(x, residual, norm_weight, eps=eps)
+        return F.linear(h, weight, bias), s
+    out = torch.empty(1, N, dtype=weight.dtype, device=weight.device)
+    s = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    residual = residual if residual.stride(1) == 1 else residual.contiguous()
+    if N == 0:
+        torch.add(residual, x, out=s)
+        return out, s
+    cfg = gemv_launch_config(N, K, weight.device, {"block_k": block_k, **(config or {})})
+    if K % cfg["block_k"]:
+        raise ValueError(f"block_k {cfg['block_k']} must divide the width ({K})")
+    _gated_norm_gemv_kernel[(cdiv(N, cfg["block_n"]),)](
+        x,
+        None,
+        residual,
+        s,
+        norm_weight,
+        weight,
+        bias,
+        out,
+        N,
+        K,
+        K,
+        float(eps),
+        weight.stride(0),
+        HAS_Z=False,
+        HAS_RESIDUAL=True,
+        HAS_BIAS=bias is not None,
+        NORM_BEFORE_GATE=False,
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"],
+        PDL=pdl,
+        num_warps=cfg["num_warps"],
+        **pdl_launch(pdl),
+    )
+    return out, s

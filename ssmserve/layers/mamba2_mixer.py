@@ -203,10 +203,17 @@ class Mamba2Mixer(nn.Module):
         return self._A
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: SSMState) -> torch.Tensor:
+        return self.forward_projected(self.in_proj(x), batch, cache)
+
+    def forward_projected(
+        self, zxbcdt: torch.Tensor, batch: ForwardBatch, cache: SSMState
+    ) -> torch.Tensor:
+        """The mixer after in_proj: zxbcdt is in_proj(x) (the caller may have computed it
+        fused with the norm before it: `add_norm_gemv`)."""
         H, P, N, G = self.num_heads, self.head_dim, self.state_size, self.n_groups
         I = self.intermediate_size  # noqa: E741
         nd = batch.num_decodes
-        zxbcdt = self.in_proj(x)
+        dtype = zxbcdt.dtype
         if self.in_proj_scale is not None:
             zxbcdt = zxbcdt * self.in_proj_scale
         z, xbc, dt = zxbcdt.split([I, self.conv_dim, H], dim=-1)
@@ -239,7 +246,7 @@ class Mamba2Mixer(nn.Module):
                 **decode_rounding(batch, cache),
             )
             outs.append(y_d.reshape(nd, I))
-        num_prefill_tokens = x.shape[0] - nd
+        num_prefill_tokens = zxbcdt.shape[0] - nd
         if num_prefill_tokens > 0:
             slots = batch.state_slots[nd:]
             has_init = batch.has_initial_state[nd:]
@@ -286,7 +293,7 @@ class Mamba2Mixer(nn.Module):
             if self.norm_local and self.tp.size == 1:
                 out = self.out_proj
                 return fused(y, z, self.norm.weight, out.weight, out.bias, **self._norm_args())
-        return self.out_proj(self._gated_norm(y, z).to(x.dtype))
+        return self.out_proj(self._gated_norm(y, z).to(dtype))
 
     def _norm_args(self) -> dict:
         """The gated norm's options when each rank normalises its own groups."""

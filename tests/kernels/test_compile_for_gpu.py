@@ -24,7 +24,12 @@ from triton_testing import DEVICE, requires_triton
 
 from ssmserve import LLM, SamplingParams
 from ssmserve.kernels._common import LazyKernel
-from ssmserve.kernels.gemv import act_mul_gemv_triton, gated_norm_gemv_triton, gemv_triton
+from ssmserve.kernels.gemv import (
+    act_mul_gemv_triton,
+    add_norm_gemv_triton,
+    gated_norm_gemv_triton,
+    gemv_triton,
+)
 from tests.tiny_models import make_tiny_checkpoint
 
 pytestmark = [
@@ -74,7 +79,8 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
     # interpreter runs each launch in full, so more layers cost time and add nothing).
     shapes = {
         "granitemoehybrid": dict(num_hidden_layers=2, layer_types=["mamba", "attention"]),
-        "falcon_mamba": dict(num_hidden_layers=2),  # a norm between layers, and the last
+        # A norm between layers, and the last; a width of 16s for add_norm_gemv.
+        "falcon_mamba": dict(num_hidden_layers=2, hidden_size=48),
     }
     for family, shape in shapes.items():
         path = make_tiny_checkpoint(str(tmp_path / family), family, seed=0, **shape)
@@ -87,6 +93,8 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
                 module.decode_norm_gemv = gated_norm_gemv_triton
             if hasattr(module, "decode_act_gemv"):
                 module.decode_act_gemv = act_mul_gemv_triton
+            if hasattr(module, "decode_add_norm_gemv"):
+                module.decode_add_norm_gemv = add_norm_gemv_triton
         llm.generate(prompts[:1], params, use_tqdm=False)  # one row alone
         llm.generate(prompts, params, use_tqdm=False)
         del llm
@@ -97,6 +105,13 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
         kwargs["ACT"] for kernel, _, kwargs in launches.values() if kernel.name == "_gemv_kernel"
     }
     assert acts == {-1, 0}, acts
+    # So is the gated norm's GEMV with the residual add in front (FalconMamba's blocks).
+    adds = {
+        kwargs["HAS_RESIDUAL"]
+        for kernel, _, kwargs in launches.values()
+        if kernel.name == "_gated_norm_gemv_kernel"
+    }
+    assert adds == {False, True}, adds
     for expected in (
         "_mamba2_decode_kernel",
         "_ssd_chunk_scan_kernel",

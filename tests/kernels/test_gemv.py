@@ -11,10 +11,12 @@ from triton_testing import DEVICE, requires_triton
 
 from ssmserve.kernels import PDL_OPS, get_ops
 from ssmserve.kernels.activation import act_and_mul_ref
-from ssmserve.kernels.gated_rms_norm import gated_rms_norm_ref
+from ssmserve.kernels.gated_rms_norm import add_rms_norm_ref, gated_rms_norm_ref
 from ssmserve.kernels.gemv import (
     act_mul_gemv_ref,
     act_mul_gemv_triton,
+    add_norm_gemv_ref,
+    add_norm_gemv_triton,
     gated_norm_gemv_ref,
     gated_norm_gemv_triton,
     gemv_launch_config,
@@ -106,6 +108,50 @@ def test_act_mul_gemv_matches_act_and_mul_then_the_linear(dtype, act, N, inter, 
     assert torch.equal(act_mul_gemv_ref(gate_up, w, b, act=act), F.linear(h, w, b))
     with pytest.raises(ValueError, match="weight must have shape"):
         act_mul_gemv_ref(gate_up, w[:, 1:], b, act=act)
+
+
+@requires_triton
+@pytest.mark.parametrize(
+    "dtype, residual_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                              (torch.bfloat16, torch.bfloat16)],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    "N, K, bias, config",
+    [
+        (37, 64, False, {"block_k": 16, "block_tile": 64}),  # 4 tiles, 4 rows a program
+        (9, 48, True, None),  # one tile of 16 x 3
+        (21, 40, False, None),  # no power of two from 16 divides 40: the two ops
+    ],
+)
+def test_add_norm_gemv_matches_the_add_the_norm_then_the_linear(
+    dtype, residual_dtype, N, K, bias, config
+):
+    """The fused kernel against residual + x, rounded as add_rms_norm rounds it, normed
+    and multiplied in float64 (the norm's value unrounded, as the kernel keeps it); the
+    new residual (bit for bit on a GPU); the residual passed in untouched; and the reference op
+    against its parts."""
+    gen = seeded(3)
+    x = randn(1, K, gen=gen, dtype=dtype).to(DEVICE)
+    residual = randn(1, K, gen=gen, dtype=residual_dtype, scale=4.0).to(DEVICE)
+    before = residual.clone()
+    nw = (randn(K, gen=gen, dtype=dtype) * 0.5 + 1).to(DEVICE)
+    w = randn(N, K, gen=gen, dtype=dtype, scale=K**-0.5).to(DEVICE)
+    b = randn(N, gen=gen, dtype=dtype).to(DEVICE) if bias else None
+    s = (residual.double() + x.double()).to(residual_dtype)
+    h = s.to(dtype).double()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.double()
+    want = F.linear(h, w.double(), None if b is None else b.double())
+    got, got_s = add_norm_gemv_triton(x, residual, nw, w, b, eps=1e-5, config=config)
+    assert got.shape == (1, N) and got.dtype == dtype
+    assert_close(got, want)
+    # Exact on a GPU; the interpreter truncates float32 -> bfloat16 where GPUs round.
+    if DEVICE.type == "cuda" or residual_dtype == torch.float32:
+        assert torch.equal(got_s, s)
+    assert_close(got_s, s)
+    assert torch.equal(residual, before)
+    ref, ref_s = add_norm_gemv_ref(x, residual, nw, w, b, eps=1e-5)
+    normed, parts_s = add_rms_norm_ref(x, residual, nw, eps=1e-5)
+    assert torch.equal(ref, F.linear(normed, w, b)) and torch.equal(ref_s, parts_s)
 
 
 def test_launch_config_picks_a_dividing_tile_and_enough_programs():
