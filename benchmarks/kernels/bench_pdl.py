@@ -38,7 +38,9 @@ The Mamba2 chain also runs with the mixer's gated RMSNorm before out_proj, two w
 `+norm` (the norm's kernel, then the GEMV, as decode ran before `gated_norm_gemv`) and
 `+fused` (`gated_norm_gemv`: one launch, each GEMV program normalising the row as it
 streams it), and checks that the two agree. The MLP chain also runs with its SiLU-and-mul
-inside the down GEMV (`+act`: `act_mul_gemv`), checked against the two launches.
+inside the down GEMV (`+act`: `act_mul_gemv`), checked against the two launches. Both
+then run with each layer's residual add and norm inside the next layer's first GEMV
+(`+add`: `add_norm_gemv`, as Mamba models decode a row).
 """
 
 from __future__ import annotations
@@ -72,7 +74,12 @@ from ssmserve.kernels._common import (
     tl,
 )
 from ssmserve.kernels.gated_rms_norm import gated_rms_norm_triton
-from ssmserve.kernels.gemv import act_mul_gemv_triton, gated_norm_gemv_triton, gemv_triton
+from ssmserve.kernels.gemv import (
+    act_mul_gemv_triton,
+    add_norm_gemv_triton,
+    gated_norm_gemv_triton,
+    gemv_triton,
+)
 
 SECTIONS = ("accuracy", "chain", "sweep")
 OPTS = parse_args(__doc__, SECTIONS)
@@ -212,6 +219,7 @@ class Chain:
         self.r = torch.empty(hidden, device=DEV, dtype=torch.float32)
         self.h0 = torch.randn(hidden, generator=gen, device=DEV).to(DTYPE)
         self.nw = (torch.rand(d, generator=gen, device=DEV) + 0.5).to(DTYPE)
+        self.ones = torch.ones(hidden, device=DEV, dtype=DTYPE)  # the weightless norm's
 
     @property
     def floor_bytes(self) -> int:
@@ -246,11 +254,11 @@ class Chain:
     ) -> torch.Tensor:
         """out_proj (down) of the mixer's output v, with the gated norm before it in the
         +norm and +fused forms."""
-        if form.endswith("+fused"):
+        if "+fused" in form:
             return gated_norm_gemv_triton(
                 self.v[None], None, self.nw, self.w2[layer], eps=1e-5, pdl=pdl, config=config
             )[0]
-        if form.endswith("+norm"):
+        if "+norm" in form:
             v = gated_rms_norm_triton(self.v[None], self.nw, eps=1e-5, pdl=pdl)
             return gemv(v[0], self.w2[layer], pdl, config)
         if form.startswith("cublas"):
@@ -261,21 +269,31 @@ class Chain:
         self.h.copy_(self.h0)
         self.r.copy_(self.h0)
         pdl, prefetch, cublas = "pdl" in form, "prefetch" in form, form.startswith("cublas")
+        # +add: each layer's residual add and norm inside the next layer's first GEMV
+        # (add_norm_gemv, a new residual each layer); the last layer's on its own.
+        add, r, o = form.endswith("+add"), self.r, None
         for layer in range(self.layers):
-            if cublas:
+            if add and o is not None:
+                u, r = add_norm_gemv_triton(
+                    o[None], r[None], self.ones, self.w1[layer], eps=1e-6, pdl=pdl, config=config
+                )
+                u, r = u[0], r[0]
+            elif cublas:
                 u = F.linear(self.h[None], self.w1[layer])[0]
             else:
                 u = gemv(self.h, self.w1[layer], pdl, config)
-            if form.endswith("+act"):  # the MLP's SiLU-and-mul inside the down GEMV
+            if "+act" in form:  # the MLP's SiLU-and-mul inside the down GEMV
                 o = act_mul_gemv_triton(
                     u[None], self.w2[layer], act="silu", pdl=pdl, config=config
                 )[0]
             else:
                 self.mixer(layer, u, pdl, prefetch)
                 o = self.second_linear(layer, form, pdl, config)
+            if add and layer < self.layers - 1:
+                continue
             _add_norm_kernel[(1,)](
                 o,
-                self.r,
+                r,
                 self.h,
                 self.hidden,
                 BLOCK=next_pow2(self.hidden),
@@ -294,11 +312,15 @@ def _forms() -> tuple[str, ...]:
     return FORMS if _pdl_possible() else tuple(f for f in FORMS if "pdl" not in f)
 
 
-def _fused_forms(heads: int) -> tuple[str, str]:
-    """A Mamba2 chain's gated norm before out_proj as its own kernel, and fused into the
-    GEMV; an MLP chain's SiLU-and-mul as its own kernel, and fused into the down GEMV."""
+def _fused_forms(heads: int) -> tuple[str, str, str]:
+    """A Mamba2 chain's gated norm before out_proj as its own kernel, fused into the
+    GEMV, and then the residual add and norm fused into the next first GEMV too; an MLP
+    chain's SiLU-and-mul as its own kernel, fused into the down GEMV, and then the add
+    and norm too."""
     base = "gemv+pdl+prefetch" if _pdl_possible() else "gemv"
-    return (base + "+norm", base + "+fused") if heads else (base, base + "+act")
+    if heads:
+        return base + "+norm", base + "+fused", base + "+fused+add"
+    return base, base + "+act", base + "+act+add"
 
 
 def accuracy() -> None:
@@ -318,11 +340,11 @@ def accuracy() -> None:
         for form in forms:
             c.s.copy_(c.s0)
             outputs.append(c.run(form).clone())
-        unfused, fused = outputs
-        # Not bit for bit: the fused norm is kept unrounded, and act_mul_gemv rounds the
-        # activation before the product as the engine's act_and_mul does (the stand-in
-        # rounds once).
-        record_check(f"{name}: {forms[1]} against {forms[0]}", {"h": rel_err(fused, unfused)})
+        # Not bit for bit: the fused norms are kept unrounded, and act_mul_gemv rounds
+        # the activation before the product as the engine's act_and_mul does (the
+        # stand-in rounds once).
+        for form, h in zip(forms[1:], outputs[1:]):
+            record_check(f"{name}: {form} against {forms[0]}", {"h": rel_err(h, outputs[0])})
         del c
     if not _pdl_possible():
         log("accuracy: no sm_90 GPU, the PDL forms are not run")
