@@ -40,7 +40,9 @@ The Mamba2 chain also runs with the mixer's gated RMSNorm before out_proj, two w
 streams it), and checks that the two agree. The MLP chain also runs with its SiLU-and-mul
 inside the down GEMV (`+act`: `act_mul_gemv`), checked against the two launches. Both
 then run with each layer's residual add and norm inside the next layer's first GEMV
-(`+add`: `add_norm_gemv`, as Mamba models decode a row).
+(`+add`: `add_norm_gemv`, as Mamba models decode a row). `+bare` times the two GEMVs
+of each layer alone, each feeding the next: what the kernels between them cost is the
+difference.
 """
 
 from __future__ import annotations
@@ -221,10 +223,12 @@ class Chain:
         self.nw = (torch.rand(d, generator=gen, device=DEV) + 0.5).to(DTYPE)
         self.ones = torch.ones(hidden, device=DEV, dtype=DTYPE)  # the weightless norm's
 
-    @property
-    def floor_bytes(self) -> int:
-        """The weights read once and every layer's state read and written once."""
+    def floor_bytes(self, form: str) -> int:
+        """The weights read once and (but in +bare) every layer's state read and written
+        once."""
         weights = (self.w1.numel() + self.w2.numel()) * self.w1.element_size()
+        if form.endswith("+bare"):
+            return weights
         return weights + 2 * self.s.numel() * self.s.element_size()
 
     def mixer(self, layer: int, u: torch.Tensor, pdl: bool, prefetch: bool) -> None:
@@ -282,6 +286,9 @@ class Chain:
                 u = F.linear(self.h[None], self.w1[layer])[0]
             else:
                 u = gemv(self.h, self.w1[layer], pdl, config)
+            if form.endswith("+bare"):  # the GEMVs alone, each feeding the next
+                self.h.copy_(gemv(u[: self.d], self.w2[layer], pdl, config))
+                continue
             if "+act" in form:  # the MLP's SiLU-and-mul inside the down GEMV
                 o = act_mul_gemv_triton(
                     u[None], self.w2[layer], act="silu", pdl=pdl, config=config
@@ -321,6 +328,13 @@ def _fused_forms(heads: int) -> tuple[str, str, str]:
     if heads:
         return base + "+norm", base + "+fused", base + "+fused+add"
     return base, base + "+act", base + "+act+add"
+
+
+def _bare_form() -> str:
+    """The chain's two GEMVs a layer and nothing else (the first's output cut to the
+    second's K, the second's fed to the next layer): their cost without the kernels
+    between them."""
+    return ("gemv+pdl" if _pdl_possible() else "gemv") + "+bare"
 
 
 def accuracy() -> None:
@@ -376,7 +390,7 @@ def _time_chain(name: str, chain: Chain, form: str, config: dict[str, Any] | Non
         del graph
     else:
         ms = bench_ms(lambda: chain.run(form, config))
-    floor = floor_ms(chain.floor_bytes)
+    floor = floor_ms(chain.floor_bytes(form))
     per_layer = 1e3 / chain.layers
     record_time(
         f"{name} {form}" + (f" {config}" if config else ""),
@@ -395,7 +409,8 @@ def chain() -> None:
     for name, shape in CHAINS.items():
         c = Chain(*shape)
         forms = _forms()
-        for form in forms + tuple(f for f in _fused_forms(shape[3]) if f not in forms):
+        forms += tuple(f for f in _fused_forms(shape[3]) if f not in forms)
+        for form in forms + (_bare_form(),):
             _time_chain(name, c, form, None)
         del c
         if DEV.type == "cuda":

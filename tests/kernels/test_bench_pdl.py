@@ -29,4 +29,6 @@ def test_benchmark_tiny_smoke_run(tmp_path):
     fused = {("tiny-mamba2", base + "+norm"), ("tiny-mamba2", base + "+fused")}
     fused |= {("tiny-mlp", base + "+act"), ("tiny-mlp", base + "+act+add")}
     fused.add(("tiny-mamba2", base + "+fused+add"))
+    bare = "gemv+pdl+bare" if pdl else "gemv+bare"
+    fused |= {("tiny-mlp", bare), ("tiny-mamba2", bare)}
     assert timed == {(c, f) for c in ("tiny-mlp", "tiny-mamba2") for f in forms} | fused
