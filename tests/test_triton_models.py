@@ -99,11 +99,11 @@ def test_fused_mamba2_decode_gives_the_tokens_of_the_unfused_kernels(
     assert_same_greedy_outputs(unfused_out, fused)
 
 
-@pytest.mark.parametrize("variant", ["bamba", "mamba"])
+@pytest.mark.parametrize("variant", ["bamba", "mamba_w48"])
 def test_one_row_gemv_gives_the_tokens_of_f_linear(checkpoint, variant):
     """With the linears of one row through the Triton GEMV, the Mamba2 mixers' gated norm
     and out_proj through the fused one, and the gated MLPs' act-and-mul and down_proj
-    through theirs, and in Mamba the residual add, norm and in_proj through another (what
+    through theirs, and the residual add, norm and linear after it through another (what
     decode with PDL runs, here without PDL, which needs an sm_90 GPU): the greedy tokens
     and logprobs of F.linear, over a one-token prompt's prefill and the decode steps of
     one sequence, and every linear's weight read by a GEMV. Bamba has every kind of
@@ -158,15 +158,23 @@ def test_one_row_gemv_gives_the_tokens_of_f_linear(checkpoint, variant):
         read.add(weight.data_ptr())
         return add_norm_gemv_triton(x, residual, norm_weight, weight, bias, **norm)
 
-    model = runner_model(llm)
-    if hasattr(model, "decode_add_norm_gemv"):
-        model.decode_add_norm_gemv = recording_add_norm_gemv
+    for module in runner_model(llm).modules():
+        if hasattr(module, "decode_add_norm_gemv"):
+            module.decode_add_norm_gemv = recording_add_norm_gemv
     with record_compile_keys() as keys:
         got = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     assert "_gemv_kernel" in keys
-    assert ("_gated_norm_gemv_kernel" in keys) == (variant == "bamba") == bool(mixers)
+    assert (variant == "bamba") == bool(mixers)
+    assert "_gated_norm_gemv_kernel" in keys  # the gated norm's, or add_norm_gemv's
     assert (variant == "bamba") == bool(mlps) == bool(acts)
-    assert (variant == "mamba") == bool(adds)  # every block's in_proj but the first's
+    # Each block's first linear but the first block's, and Bamba's MLPs' gate_up.
+    layers = runner_model(llm).decoder_layers()
+    if variant == "bamba":
+        firsts = {layer.input_linear().weight.data_ptr() for layer in layers[1:]}
+        firsts |= {layer.feed_forward.gate_up_proj.weight.data_ptr() for layer in layers}
+    else:
+        firsts = {layer.mixer.in_proj.weight.data_ptr() for layer in layers[1:]}
+    assert set(adds) == firsts
     assert {m.weight.data_ptr() for m in linears} <= read
     assert_same_greedy_outputs(ref, got)
 

@@ -56,6 +56,11 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if gate_up_delta is not None:
             gate_up = gate_up + gate_up_delta
+        return self.forward_projected(gate_up)
+
+    def forward_projected(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP after gate_up_proj: gate_up is gate_up_proj(x) (the caller may have
+        computed it fused with the norm before it: `RMSNorm.add_forward_linear`)."""
         if self.fused_act is not None:
             fused, down = self.decode_act_gemv, self.down_proj
             if fused is not None and gate_up.shape[0] == 1 and down.tp.size == 1:

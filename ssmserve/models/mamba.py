@@ -7,7 +7,6 @@ blocks, norm_f, lm_head) that Mamba2ForCausalLM reuses with a different mixer.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -36,13 +35,7 @@ class ResidualMixerBlock(nn.Module):
 
 
 class MambaStyleLM(CausalLM):
-    """backbone.{embeddings, layers, norm_f} + lm_head; subclasses give the mixer.
-
-    `decode_add_norm_gemv`, where the model runner sets one (decode with PDL), takes one
-    row's residual add, norm and the next mixer's in_proj in one launch (`add_norm_gemv`),
-    on one GPU."""
-
-    decode_add_norm_gemv: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    """backbone.{embeddings, layers, norm_f} + lm_head; subclasses give the mixer."""
 
     def __init__(self, hf_config, ctx: ModelContext) -> None:
         super().__init__(hf_config, ctx)
@@ -81,16 +74,17 @@ class MambaStyleLM(CausalLM):
         """The blocks as HF runs them, each adding the residual (in float32 when
         residual_in_fp32) and feeding the sum on, with the same roundings; each add is
         fused into the next block's norm (`add_rms_norm`: one kernel for the add, the
-        cast and the norm), and for one row with `decode_add_norm_gemv` into the next
-        mixer's in_proj as well."""
+        cast and the norm), and for one row with the norm's `decode_add_norm_gemv` into
+        the next mixer's in_proj as well."""
         layers = self.decoder_layers()
         residual, out = hidden, None
-        fused = (
-            self.decode_add_norm_gemv if hidden.shape[0] == 1 and self.ctx.tp.size == 1 else None
-        )
+        one_row = hidden.shape[0] == 1
         for i in self.stage.layers:
             block = layers[i]
             norm, in_proj = block.norm, block.mixer.in_proj
+            # Not RMSNorm.add_forward_linear: HF's Mamba rounds the float32 residual to the
+            # weights' dtype before the norm, as add_rms_norm and add_norm_gemv do.
+            fused = norm.decode_add_norm_gemv if one_row else None
             if out is None:  # the stage's first block
                 projected = in_proj(norm(hidden.to(norm.weight.dtype)))
                 residual = hidden.float() if block.residual_in_fp32 else hidden
