@@ -271,8 +271,8 @@ def act_mul_gemv_triton(
 ) -> torch.Tensor:
     """`act_mul_gemv_ref` in one kernel: each GEMV program computes act(gate) * up as it
     streams the row (rounded as act_and_mul stores it), one launch where the MLP had two.
-    block_k is at most 1024, so a program holds >= 8 weight rows and its extra reads (gate
-    and up, from L2) stay at a quarter of its weight bytes or less."""
+    The tiles are the plain GEMV's (capping block_k at 1024 to read gate and up fewer
+    times from L2 was slower: bench_pdl's Llama MLP chain, H100)."""
     N, inter = _check_act_gemv_args(gate_up, weight, bias, act)
     out = torch.empty(1, N, dtype=gate_up.dtype, device=gate_up.device)
     if N == 0:
@@ -283,7 +283,7 @@ def act_mul_gemv_triton(
         gate_up = gate_up.contiguous()
     if weight.stride(1) != 1:  # as F.linear takes it: the two launches
         return F.linear(act_and_mul_triton(gate_up, act=act), weight, bias)
-    return _launch_gemv(gate_up, weight, bias, out, inter, ACT_CODES[act], pdl, config, 1024)
+    return _launch_gemv(gate_up, weight, bias, out, inter, ACT_CODES[act], pdl, config)
 
 
 # ------------------------------------------------------------------ gated norm + GEMV
@@ -420,7 +420,9 @@ def _gated_norm_gemv_kernel(
     if PDL:
         gdc_wait()
     y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # Products and squares accumulate elementwise, reduced once a group (at its end): a
+    # reduction across the program's threads every tile would stall the weight stream.
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
@@ -441,12 +443,12 @@ def _gated_norm_gemv_kernel(
             if not NORM_BEFORE_GATE:
                 h = h * gate
         squares += h * h
-        part += tl.sum(w.to(tl.float32) * v[None, :], axis=1)
-        ends = (k0 + BLOCK_K) % group == 0
-        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / group + eps)
-        y += tl.where(ends, part * rstd, 0.0)
-        part = tl.where(ends, 0.0, part)
-        squares = tl.where(ends, 0.0, squares)
+        acc += w.to(tl.float32) * v[None, :]
+        if (k0 + BLOCK_K) % group == 0:
+            rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / group + eps)
+            y += tl.sum(acc, axis=1) * rstd
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
         w = w_next
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows).to(tl.float32)
