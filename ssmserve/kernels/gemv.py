@@ -78,24 +78,19 @@ def gemv_ref(
 
 
 def gemv_launch_config(
-    N: int,
-    K: int,
-    device: torch.device,
-    config: Mapping[str, Any] | None = None,
-    *,
-    max_block_k: int = 4096,
+    N: int, K: int, device: torch.device, config: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """block_k (a power of two: the largest up to `max_block_k` dividing K, else K's next
-    power of two capped there), block_tile (weight elements a program holds per step; block_n =
+    """block_k (a power of two: the largest up to 4096 dividing K, else K's next power of
+    two capped at 4096), block_tile (weight elements a program holds per step; block_n =
     block_tile // block_k rows, halved while that leaves under two programs an SM: a
     narrow weight such as Mamba's x_proj, 192 rows, still spreads over the GPU),
     num_warps: 4, the fastest of bench_pdl.py's sweep on the H100 (2026-12-06: Mamba2-2.7B
     chain 2.42 ms against 2.52 with 8; Llama-3-8B MLP 3.82 against 3.83)."""
-    block_k = max_block_k
+    block_k = 4096
     while block_k > 16 and K % block_k:
         block_k //= 2
     if K % block_k:
-        block_k = min(next_pow2(K), max_block_k)
+        block_k = min(next_pow2(K), 4096)
     cfg = launch_config("gemv", {"block_k": block_k, "block_tile": 8192, "num_warps": 4}, config)
     block_n = max(1, cfg["block_tile"] // cfg["block_k"])
     # The interpreter has no SMs; a small stand-in lets CPU tests reach the halving.
@@ -203,7 +198,6 @@ def _launch_gemv(
     act: int,
     pdl: bool,
     config: Mapping[str, Any] | None,
-    max_block_k: int = 4096,
 ) -> torch.Tensor:
     """`_gemv_kernel` over x (gate ++ up when act >= 0) into out [1, N]."""
     if x.stride(1) != 1:
@@ -211,7 +205,7 @@ def _launch_gemv(
     if weight.stride(1) != 1:
         raise ValueError("gemv needs the weight's rows contiguous (nn.Linear's layout)")
     N = weight.shape[0]
-    cfg = gemv_launch_config(N, K, x.device, config, max_block_k=max_block_k)
+    cfg = gemv_launch_config(N, K, x.device, config)
     _gemv_kernel[(cdiv(N, cfg["block_n"]),)](
         x,
         weight,
