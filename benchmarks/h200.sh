@@ -16,8 +16,9 @@
 #   quick        the GPU tests of the newest paths: GEMVs, PDL, cuDNN merge      ~3 min
 #   ceilings     the card's device-copy bandwidth and bf16 GEMM rate (the floors' peaks) ~1 min
 #   kernels      state update (Mamba1 regrouped and Mamba2) and MoE launch sizes ~3 min
-#   pdl          bench_pdl.py's chains; batch-1 Mamba2-2.7B, Bamba-9B without and with PDL ~2 min
-#   pdl2         batch-1 Llama-3-8B, Mamba-2.8B without and with PDL; Mamba2-2.7B profiles ~2 min
+#   pdl          bench_pdl.py's chains; batch-1 Mamba2-2.7B, Bamba-9B without PDL, with it, and
+#                with the fused GEMVs (--decode-fused-gemv)                     ~3 min
+#   pdl2         the same for Llama-3-8B and Mamba-2.8B; Mamba2-2.7B profiles   ~3 min
 #   pdl3         PDL beyond batch 1, with and without: Bamba-9B b256 fp32 state and
 #                Llama-3-8B b64 decode steps at 5k; Mamba2-2.7B 2k prefill   ~4 min
 #   latency      batch-1 decode at 2k: Bamba-9B, Llama-3-8B, Mamba2-2.7B, Mamba-2.8B ~5 min
@@ -82,12 +83,14 @@ section() {
     pdl)
         python3 benchmarks/kernels/bench_pdl.py --out "$dir/pdl_h200.json" &&
             for model in mamba2-2.7b bamba-9b; do
-                latency_b1 $model _no_pdl --no-decode-pdl && latency_b1 $model _pdl --decode-pdl || return
+                latency_b1 $model _no_pdl --no-decode-pdl && latency_b1 $model _pdl --decode-pdl &&
+                    latency_b1 $model _fused --decode-pdl --decode-fused-gemv || return
             done
         ;;
     pdl2)
         for model in llama-3-8b mamba-2.8b; do
-            latency_b1 $model _no_pdl --no-decode-pdl && latency_b1 $model _pdl --decode-pdl || return
+            latency_b1 $model _no_pdl --no-decode-pdl && latency_b1 $model _pdl --decode-pdl &&
+                latency_b1 $model _fused --decode-pdl --decode-fused-gemv || return
         done
         for flag in --no-decode-pdl --decode-pdl; do
             python3 benchmarks/decode_profile.py --model "$configs/mamba2-2.7b" "${dummy[@]}" \

@@ -177,6 +177,14 @@ def test_bad_arguments_are_refused():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_fused_gemvs_need_decode_pdl():
+    from ssmserve import LLM
+
+    with pytest.raises(RuntimeError, match="decode_fused_gemv .*without --decode-fused-gemv"):
+        LLM("ssmserve-bamba-tiny", decode_fused_gemv=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
 def test_pdl_ops_need_a_gpu_and_the_triton_kernels():
     with pytest.raises(RuntimeError, match="decode_pdl: .*CUDA GPU.*without --decode-pdl"):
         get_ops("torch", "cpu", pdl=True)
