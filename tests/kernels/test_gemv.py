@@ -154,6 +154,29 @@ def test_add_norm_gemv_matches_the_add_the_norm_then_the_linear(
     assert torch.equal(ref, F.linear(normed, w, b)) and torch.equal(ref_s, parts_s)
 
 
+@requires_triton
+def test_fused_gemvs_at_model_widths_with_default_tiles():
+    """The fused kernels with their default tiles at real widths (Mamba2-2.7B's out_proj
+    K = 5120 and in_proj K = 2560, Llama-3-8B's down K = 14336; few rows, to stay cheap in
+    the interpreter) against float64: every K tile of a 1024- or 4096-wide walk."""
+    gen = seeded(4)
+    dtype = torch.bfloat16
+
+    def rand(*shape, scale=1.0):
+        return randn(*shape, gen=gen, dtype=dtype, scale=scale).to(DEVICE)
+
+    y, nw, w = rand(1, 5120), rand(5120) * 0.5 + 1, rand(24, 5120, scale=5120**-0.5)
+    want = F.linear(gated_rms_norm_ref(y.double(), nw.double(), eps=1e-5), w.double())
+    assert_close(gated_norm_gemv_triton(y, None, nw, w, eps=1e-5), want)
+    x, r, nw, w = rand(1, 2560), rand(1, 2560), rand(2560) * 0.5 + 1, rand(40, 2560)
+    normed, _ = add_rms_norm_ref(x.double(), r.double(), nw.double(), eps=1e-5)
+    assert_close(add_norm_gemv_triton(x, r, nw, w * 2560**-0.5, eps=1e-5)[0],
+                 F.linear(normed, (w * 2560**-0.5).double()))  # fmt: skip
+    gate_up, w = rand(1, 2 * 14336), rand(8, 14336, scale=14336**-0.5)
+    h = act_and_mul_ref(gate_up, act="silu").double()
+    assert_close(act_mul_gemv_triton(gate_up, w, act="silu"), F.linear(h, w.double()))
+
+
 def test_launch_config_picks_a_dividing_tile_and_enough_programs():
     cpu = torch.device("cpu")  # stands in for a GPU of 2 SMs: at least 4 programs
     assert gemv_launch_config(4096, 2560, cpu)["block_k"] == 512  # 2560 = 5 x 512
