@@ -13,7 +13,13 @@ dependent launch (`pdl=True`): a program loads its first weight tile (16 KB) bef
 - `block_k` is the largest power of two up to 4096 dividing K (then no masks), and
   `block_n` holds `block_tile` weight elements a program (8192: 16 KB of bf16).
 
-benchmarks/kernels/bench_pdl.py measures it against F.linear in decode-shaped chains.
+Three ops fuse what comes before a linear into its GEMV, a launch fewer each (the model
+runner sets them only with `--decode-fused-gemv`, off until measured faster): the same
+kernel computing act(gate) * up as it loads x (`act_mul_gemv`), and a second one whose
+programs normalise the row as they stream it (`gated_norm_gemv`: a Mamba2 mixer's gated
+norm; `add_norm_gemv`: the residual add and RMSNorm before a block's first linear).
+
+benchmarks/kernels/bench_pdl.py measures them against F.linear in decode-shaped chains.
 """
 
 from __future__ import annotations
