@@ -111,7 +111,9 @@ SWEEP: list[dict[str, Any]] = [
     {"block_k": 1024},
     {"block_k": 2048},
     {"block_k": 4096},
+    {"block_tile": 2048},
     {"block_tile": 4096},
+    {"block_tile": 8192},  # the tile before the default halved it for narrow weights
     {"block_tile": 16384},
     {"num_warps": 4},
 ]

@@ -91,7 +91,13 @@ def gemv_launch_config(
     block_tile // block_k rows, halved while that leaves under two programs an SM: a
     narrow weight such as Mamba's x_proj, 192 rows, still spreads over the GPU),
     num_warps: 4, the fastest of bench_pdl.py's sweep on the H100 (2026-12-06: Mamba2-2.7B
-    chain 2.42 ms against 2.52 with 8; Llama-3-8B MLP 3.82 against 3.83)."""
+    chain 2.42 ms against 2.52 with 8; Llama-3-8B MLP 3.82 against 3.83).
+
+    Unless block_tile is given, a weight that would make under six programs an SM takes
+    half the rows a program: more programs in flight hide each one's ramp and tail. On
+    the H100 (2026-12-06, bench_pdl, num_warps 4) half the tile took the Mamba2-2.7B chain
+    (in_proj 661 programs, out_proj 320) from 2.47 to 2.24 ms, and the Llama MLP chain
+    (14336 and 1024 programs, untouched by this rule) from 3.84 to 3.89."""
     block_k = 4096
     while block_k > 16 and K % block_k:
         block_k //= 2
@@ -101,6 +107,8 @@ def gemv_launch_config(
     block_n = max(1, cfg["block_tile"] // cfg["block_k"])
     # The interpreter has no SMs; a small stand-in lets CPU tests reach the halving.
     sms = num_sms(device) if device.type == "cuda" else 2
+    if block_n > 1 and cdiv(N, block_n) < 6 * sms and "block_tile" not in (config or {}):
+        block_n //= 2
     while block_n > 1 and cdiv(N, block_n) < 2 * sms:
         block_n //= 2
     cfg["block_n"] = block_n

@@ -187,6 +187,10 @@ def test_launch_config_picks_a_dividing_tile_and_enough_programs():
     # 16 rows of 512 a program would make 1 program of all 12 rows: halved to 2, 6 programs
     narrow = gemv_launch_config(12, 512, cpu)
     assert narrow["block_n"] == 2 and -(-12 // narrow["block_n"]) >= 4
+    # Under six programs an SM (12 here), half the rows: 4 programs of 16 become 8 of 8;
+    # a block_tile given is taken as it is.
+    assert gemv_launch_config(64, 512, cpu)["block_n"] == 8
+    assert gemv_launch_config(64, 512, cpu, {"block_tile": 8192})["block_n"] == 16
     with pytest.raises(ValueError, match="power of two"):
         gemv_launch_config(64, 64, cpu, {"block_tile": 100})
 
