@@ -365,12 +365,16 @@ def _check_fused_ops(
         second = "act_mul_gemv"
         ref = act_mul_gemv_ref(f32["v"], f32["w2"], act="silu")
     for pdl in (False, True) if _pdl_possible() else (False,):
+        errors = {}
         if heads:
             got = gated_norm_gemv_triton(v[:, :d], None, nw2, w2, eps=1e-5, pdl=pdl)
+            # The +norm form's two launches, against the same reference.
+            normed = gated_rms_norm_triton(v[:, :d], nw2, eps=1e-5, pdl=pdl)
+            errors["gated_rms_norm, gemv"] = rel_err(gemv(normed[0], w2, pdl, None), ref[0])
         else:
             got = act_mul_gemv_triton(v, w2, act="silu", pdl=pdl)
         add_got = add_norm_gemv_triton(o, r, nw1, w1, eps=1e-5, pdl=pdl)[0]
-        errors = {second: rel_err(got, ref), "add_norm_gemv": rel_err(add_got, add_ref)}
+        errors |= {second: rel_err(got, ref), "add_norm_gemv": rel_err(add_got, add_ref)}
         # The act is rounded to bf16 before the product, and that product again.
         label = f"{name} fused ops against float32" + (", PDL" if pdl else "")
         record_check(label, errors, 2e-2)
@@ -391,6 +395,8 @@ def accuracy() -> None:
         c = Chain(*shape)
         outputs = []
         forms = _fused_forms(shape[3])
+        if _pdl_possible():  # the same forms launched without PDL, against the first
+            forms += ("gemv+norm", "gemv+fused") if shape[3] else ("gemv+act",)
         for form in forms:
             c.s.copy_(c.s0)
             outputs.append(c.run(form).clone())

@@ -22,7 +22,7 @@ def test_benchmark_tiny_smoke_run(tmp_path):
         forms += ("cublas+pdl", "cublas+pdl+prefetch", "gemv+pdl", "gemv+pdl+prefetch")
     results = run_benchmark_tiny("bench_pdl.py", "accuracy,chain", tmp_path)
     assert not results["errors"], results["errors"]
-    assert len(results["checks"]) == (16 if pdl else 10)
+    assert len(results["checks"]) == (19 if pdl else 10)
     assert all(c["ok"] for c in results["checks"])
     timed = {(t["chain"], t["form"]) for t in results["timings"]}
     base = "gemv+pdl+prefetch" if pdl else "gemv"
