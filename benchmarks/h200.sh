@@ -13,7 +13,8 @@
 # Rough wall times on one H200, model loading included (2026-12):
 #
 #   tests        GPU kernel, model and CUDA-graph tests (a call of its own)      ~5 min
-#   quick        the GPU tests of the newest paths: GEMVs, PDL, cuDNN merge      ~3 min
+#   quick        the GPU tests of the newest paths: GEMVs (fused ones too), norms at model
+#                widths, PDL, cuDNN merge                                       ~3 min
 #   ceilings     the card's device-copy bandwidth and bf16 GEMM rate (the floors' peaks) ~1 min
 #   kernels      state update (Mamba1 regrouped and Mamba2) and MoE launch sizes ~3 min
 #   pdl          bench_pdl.py's chains; batch-1 Mamba2-2.7B, Bamba-9B without PDL, with it, and
@@ -69,8 +70,9 @@ section() {
     quick)
         python3 -m pytest -q tests/kernels/test_gemv.py tests/kernels/test_attention_merge.py \
             tests/kernels/test_compile_for_gpu.py tests/kernels/test_bench_pdl.py \
+            tests/kernels/test_triton_norm_attention.py \
             tests/test_triton_models.py tests/test_cuda_graphs.py \
-            -k "gemv or merge or pdl or cudnn or sm90"
+            -k "gemv or merge or pdl or cudnn or sm90 or model_widths"
         ;;
     ceilings)
         python3 benchmarks/kernels/bench_ceilings.py --out "$dir/ceilings.json"

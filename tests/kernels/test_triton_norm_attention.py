@@ -40,6 +40,20 @@ def test_gated_rms_norm_matches_twin(dtype, group_size, gate):
 
 
 @pytest.mark.parametrize(
+    "width, group_size", [(5120, None), (8192, None), (8192, 1024)]
+)  # Mamba2-2.7B's mixer, Bamba-9B's, Nemotron-H's groups: up to 16 warps a row
+def test_gated_rms_norm_at_model_widths_matches_twin(width, group_size):
+    """One decode row at the widths of real mixers, where the kernel takes the most
+    warps (the tests above stay within one warp's width)."""
+    gen = seeded(5)
+    x, z = (randn(1, width, gen=gen, dtype=torch.bfloat16).to(DEVICE) for _ in range(2))
+    w = (randn(width, gen=gen, dtype=torch.bfloat16) * 0.5 + 1).to(DEVICE)
+    for gate in (None, z):
+        want = gated_rms_norm_ref(x, w, gate, eps=1e-5, group_size=group_size)
+        assert_close(gated_rms_norm_triton(x, w, gate, eps=1e-5, group_size=group_size), want)
+
+
+@pytest.mark.parametrize(
     ("residual_dtype", "dtype"), [(torch.float32, torch.bfloat16), (torch.float32,) * 2]
 )
 @pytest.mark.parametrize("hidden", [40, 64])
