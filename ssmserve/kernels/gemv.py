@@ -116,6 +116,35 @@ def gemv_launch_config(
 
 
 @device_function
+def _first_weight_tile(
+    w_ptr,
+    N,
+    K,
+    stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # A GEMV program's rows (offs_n; rows past N read the last row, in bounds and
+    # unmasked, and their sums are not stored), its weight tile pointers, and its first
+    # weight tile, loaded before the PDL wait: no kernel writes the weights.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    if PDL:
+        gdc_launch_dependents()
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0)
+    if PDL:
+        gdc_wait()
+    return offs_n, offs_k, rows, w_ptrs, w
+
+
+@device_function
 def _x_tile(x_ptr, ks, K, EVEN_K: tl.constexpr, ACT: tl.constexpr):
     # x[ks] in float32. With ACT >= 0, x_ptr holds gate ++ up (2K) and the tile is
     # act(gate) * up, rounded as `act_and_mul` rounds it (act, then the product, to x's
@@ -150,21 +179,9 @@ def _gemv_kernel(
     ACT: tl.constexpr,  # -1: x as it is; else act_and_mul's code, x being gate ++ up
     PDL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    # Rows past N read the last row (in bounds, unmasked); their sums are not stored.
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
-    if PDL:
-        gdc_launch_dependents()
-    # The first tile, before the wait: no kernel writes the weights.
-    if EVEN_K:
-        w = tl.load(w_ptrs)
-    else:
-        w = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0)
-    if PDL:
-        gdc_wait()
+    offs_n, offs_k, rows, w_ptrs, w = _first_weight_tile(
+        w_ptr, N, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K, PDL
+    )
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K - BLOCK_K, BLOCK_K):
         # Every tile but the last, the next one's load issued before this one's multiply.
@@ -343,10 +360,8 @@ def gated_norm_gemv_triton(
     N = weight.shape[0]
     if bias is not None:
         check_shape("bias", bias, [N])
-    block_k = 1024  # at most: block_n rows of a 8192-element tile share each read of x
-    while block_k > 16 and group % block_k:
-        block_k //= 2
-    if group % block_k or weight.stride(1) != 1:
+    block_k = _norm_block_k(group)
+    if block_k is None or weight.stride(1) != 1:
         return gated_norm_gemv_ref(
             x, z, norm_weight, weight, bias, eps=eps, group_size=group_size,
             norm_before_gate=norm_before_gate, norm=gated_rms_norm_triton,
@@ -354,17 +369,53 @@ def gated_norm_gemv_triton(
     out = torch.empty(1, N, dtype=weight.dtype, device=weight.device)
     if N == 0:
         return out
-    x = x if x.stride(1) == 1 else x.contiguous()
     if z is not None and z.stride(1) != 1:
         z = z.contiguous()
+    _launch_norm_gemv(
+        x, z, None, None, norm_weight, weight, bias, out, group, block_k, eps,
+        norm_before_gate, pdl, config,
+    )  # fmt: skip
+    return out
+
+
+def _norm_block_k(group: int) -> int | None:
+    """The norm GEMVs' K tile: the largest power of two from 16 up to 1024 dividing the
+    norm group (at most 1024: block_n rows of an 8192-element tile share each read of
+    the row), or None where none does (the ops then run unfused)."""
+    block_k = 1024
+    while block_k > 16 and group % block_k:
+        block_k //= 2
+    return None if group % block_k else block_k
+
+
+def _launch_norm_gemv(
+    x: torch.Tensor,
+    z: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    s: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    group: int,
+    block_k: int,
+    eps: float,
+    norm_before_gate: bool,
+    pdl: bool,
+    config: Mapping[str, Any] | None,
+) -> None:
+    """`_gated_norm_gemv_kernel` over the row x (residual + x with a residual, which it
+    writes to s) into out [1, N]."""
+    N, K = weight.shape
+    x = x if x.stride(1) == 1 else x.contiguous()
     cfg = gemv_launch_config(N, group, weight.device, {"block_k": block_k, **(config or {})})
     if group % cfg["block_k"]:
         raise ValueError(f"block_k {cfg['block_k']} must divide the group ({group})")
     _gated_norm_gemv_kernel[(cdiv(N, cfg["block_n"]),)](
         x,
         z,
-        None,
-        None,
+        residual,
+        s,
         norm_weight,
         weight,
         bias,
@@ -375,7 +426,7 @@ def gated_norm_gemv_triton(
         float(eps),
         weight.stride(0),
         HAS_Z=z is not None,
-        HAS_RESIDUAL=False,
+        HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
         NORM_BEFORE_GATE=norm_before_gate,
         BLOCK_N=cfg["block_n"],
@@ -384,7 +435,6 @@ def gated_norm_gemv_triton(
         num_warps=cfg["num_warps"],
         **pdl_launch(pdl),
     )
-    return out
 
 
 @lazy_jit(do_not_specialize=["N"])
@@ -417,16 +467,9 @@ def _gated_norm_gemv_kernel(
     # With a residual, h is s = residual + x in the residual's dtype, then in the norm
     # weight's (add_rms_norm's roundings), and program 0 writes s out.
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
-    if PDL:
-        gdc_launch_dependents()
-    # The first tile, before the wait: no kernel writes the weights.
-    w = tl.load(w_ptrs)
-    if PDL:
-        gdc_wait()
+    offs_n, offs_k, rows, w_ptrs, w = _first_weight_tile(
+        w_ptr, N, K, stride_wn, BLOCK_N, BLOCK_K, True, PDL
+    )
     y = tl.zeros((BLOCK_N,), dtype=tl.float32)
     # Products and squares accumulate elementwise, reduced once a group (at its end): a
     # reduction across the program's threads every tile would stall the weight stream.
@@ -509,44 +552,17 @@ def add_norm_gemv_triton(
     N = weight.shape[0]
     if bias is not None:
         check_shape("bias", bias, [N])
-    block_k = 1024  # at most, as in gated_norm_gemv_triton
-    while block_k > 16 and K % block_k:
-        block_k //= 2
-    if K % block_k or weight.stride(1) != 1:
+    block_k = _norm_block_k(K)
+    if block_k is None or weight.stride(1) != 1:
         h, s = add_rms_norm_triton(x, residual, norm_weight, eps=eps)
         return F.linear(h, weight, bias), s
     out = torch.empty(1, N, dtype=weight.dtype, device=weight.device)
     s = torch.empty_like(residual, memory_format=torch.contiguous_format)
-    x = x if x.stride(1) == 1 else x.contiguous()
     residual = residual if residual.stride(1) == 1 else residual.contiguous()
     if N == 0:
         torch.add(residual, x, out=s)
         return out, s
-    cfg = gemv_launch_config(N, K, weight.device, {"block_k": block_k, **(config or {})})
-    if K % cfg["block_k"]:
-        raise ValueError(f"block_k {cfg['block_k']} must divide the width ({K})")
-    _gated_norm_gemv_kernel[(cdiv(N, cfg["block_n"]),)](
-        x,
-        None,
-        residual,
-        s,
-        norm_weight,
-        weight,
-        bias,
-        out,
-        N,
-        K,
-        K,
-        float(eps),
-        weight.stride(0),
-        HAS_Z=False,
-        HAS_RESIDUAL=True,
-        HAS_BIAS=bias is not None,
-        NORM_BEFORE_GATE=False,
-        BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"],
-        PDL=pdl,
-        num_warps=cfg["num_warps"],
-        **pdl_launch(pdl),
+    _launch_norm_gemv(
+        x, None, residual, s, norm_weight, weight, bias, out, K, block_k, eps, False, pdl, config
     )
     return out, s
