@@ -364,12 +364,18 @@ def _check_fused_ops(
     else:
         second = "act_mul_gemv"
         ref = act_mul_gemv_ref(f32["v"], f32["w2"], act="silu")
-    for pdl in (False, True) if _pdl_possible() else (False,):
+    # The chain's mixer output reaches ~1e10 (unscaled random weights): the norm's
+    # squares then reach ~1e20 a term, which a float32 sum of squares must survive.
+    # (The norm is scale-invariant: the reference stands.)
+    cases = [(False, 1.0)] + ([(True, 1.0)] if _pdl_possible() else [])
+    cases += [(False, 1e10)] if heads else []
+    for pdl, scale in cases:
         errors = {}
         if heads:
-            got = gated_norm_gemv_triton(v[:, :d], None, nw2, w2, eps=1e-5, pdl=pdl)
+            vs = (v * scale)[:, :d]
+            got = gated_norm_gemv_triton(vs, None, nw2, w2, eps=1e-5, pdl=pdl)
             # The +norm form's two launches, against the same reference.
-            normed = gated_rms_norm_triton(v[:, :d], nw2, eps=1e-5, pdl=pdl)
+            normed = gated_rms_norm_triton(vs, nw2, eps=1e-5, pdl=pdl)
             errors["gated_rms_norm, gemv"] = rel_err(gemv(normed[0], w2, pdl, None), ref[0])
         else:
             got = act_mul_gemv_triton(v, w2, act="silu", pdl=pdl)
@@ -377,6 +383,7 @@ def _check_fused_ops(
         errors |= {second: rel_err(got, ref), "add_norm_gemv": rel_err(add_got, add_ref)}
         # The act is rounded to bf16 before the product, and that product again.
         label = f"{name} fused ops against float32" + (", PDL" if pdl else "")
+        label += f", mixer output x {scale:g}" if scale != 1.0 else ""
         record_check(label, errors, 2e-2)
 
 
@@ -392,7 +399,13 @@ def accuracy() -> None:
             record_check(f"{name} {n}x{k} bf16 against float32", errors)
         _check_fused_ops(name, hidden, d, heads, d_state, gen)
     for name, shape in CHAINS.items():
-        c = Chain(*shape)
+        # Two layers, not the chain's depth: with random weights the chain amplifies a
+        # difference in rounding layer after layer (in float32 PyTorch, rounding the
+        # Mamba2 chain's normalised v to bf16 or not differs by 3e-3 after one layer and
+        # 0.12 after 64; on the H100 the kernels' forms differed by 1.2 after 64, each
+        # fused op agreeing with float32 alone). Two layers still pass every fused op's
+        # output into the next layer's.
+        c = Chain(2, *shape[1:])
         outputs = []
         forms = _fused_forms(shape[3])
         if _pdl_possible():  # the same forms launched without PDL, against the first
