@@ -477,13 +477,15 @@ def _gated_norm_gemv_kernel(
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
-        # The next tile's load before this one's multiply (masked off past the row).
-        w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=(ks + BLOCK_K)[None, :] < K, other=0.0)
+        # The next tile's load before this one's multiply, off past the row. BLOCK_K
+        # divides K, so one scalar says so for the whole tile: a mask per element would
+        # keep the compiler from vectorising the weight loads.
+        w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=k0 + BLOCK_K < K, other=0.0)
         h = tl.load(x_ptr + ks)
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + ks)
             h = (r.to(tl.float32) + h.to(tl.float32)).to(r.dtype)
-            tl.store(s_ptr + ks, h, mask=(ks < K) & (pid == 0))
+            tl.store(s_ptr + ks, h, mask=pid == 0)
             h = h.to(nw_ptr.dtype.element_ty)
         h = h.to(tl.float32)
         v = h * tl.load(nw_ptr + ks).to(tl.float32)
