@@ -8,7 +8,8 @@ General layout: the state of one sequence is [H, P, N]. Per (h, p, n):
 
 Mamba2 passes dt [Bt, H] expanded to [Bt, H, P] (stride 0), A [H] expanded to
 [H, P, N], D and dt_bias [H] expanded to [H, P]. Mamba1 views its [slots, Dm, N]
-pool as H = Dm, P = 1 with G = 1.
+pool as H = Dm, P = 1 with G = 1, and may pass its low-rank dt [Bt, R] with dt_proj's
+weight [Dm, R] (`dt_proj_weight`): dt[h, p] is then that projection, in dt's dtype.
 
 The new state is computed in float32; y reads it before it is stored. A 16-bit pool
 takes it rounded to nearest, or stochastically (`rounding_offsets`; see
@@ -19,7 +20,7 @@ stochastic_rounding.py) with the noise of element (h, p, n) of row b drawn from
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -81,6 +82,23 @@ def _check_state_update_args(
     return Bt, H, P, G, N
 
 
+def _project_dt(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    dt_proj_weight: torch.Tensor | None,
+    project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+) -> torch.Tensor:
+    """Check a low-rank dt [Bt, R] against dt_proj_weight [H * P, R]; with `project`,
+    return project(dt, weight) as [Bt, H, P]. Without a weight, dt as it is."""
+    if dt_proj_weight is None:
+        return dt
+    check_shape("x", x, [None, None, None])
+    Bt, H, P = x.shape
+    check_shape("dt", dt, [Bt, None])
+    check_shape("dt_proj_weight", dt_proj_weight, [H * P, dt.shape[1]])
+    return project(dt, dt_proj_weight).view(Bt, H, P) if project is not None else dt
+
+
 def _stochastic_rounding(ssm_state: torch.Tensor, rounding_offsets: torch.Tensor | None) -> bool:
     """Whether writes into this pool round stochastically (a float32 pool stores exactly)."""
     return rounding_offsets is not None and ssm_state.dtype in ROUNDED_DTYPES
@@ -102,6 +120,7 @@ def selective_state_update_ref(
     state_slots: torch.Tensor,
     rounding_offsets: torch.Tensor | None = None,
     rounding_seed: int = 0,
+    dt_proj_weight: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """One-token SSM update in PyTorch (float32 math), in place on the state pool.
@@ -115,10 +134,14 @@ def selective_state_update_ref(
             takes the new state stochastically rounded, with noise from (rounding_seed,
             offset, element); None (or a float32 pool): rounded to nearest.
         rounding_seed: the noise's 32-bit key (one per layer).
+        dt_proj_weight: [H * P, R] or None. Given, dt is Mamba1's low-rank dt [Bt, R] and
+            the update takes dt_proj(dt) (F.linear, in dt's dtype) for it: the
+            projection inside the update, one launch fewer a layer.
 
     Returns:
         y: [Bt, H, P] in x.dtype.
     """
+    dt = _project_dt(x, dt, dt_proj_weight, F.linear)
     Bt, H, P, G, N = _check_state_update_args(
         ssm_state, x, dt, A, B, C, D, z, dt_bias, state_slots, rounding_offsets
     )
@@ -220,6 +243,10 @@ def _state_update_kernel(
     stride_y_b,
     stride_y_h,
     stride_y_p,
+    dtw_ptr,
+    R,
+    stride_dtw_c,
+    stride_dtw_r,
     HAS_D: tl.constexpr,
     HAS_Z: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr,
@@ -227,6 +254,8 @@ def _state_update_kernel(
     CLAMP_DT: tl.constexpr,
     TIED: tl.constexpr,
     ROUNDING: tl.constexpr,  # 0: to nearest; stochastic, 1: to bfloat16, 2: to float16
+    DT_PROJ: tl.constexpr,  # dt is the low-rank [Bt, R] (stride_dt_h over R), projected here
+    BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
@@ -256,6 +285,16 @@ def _state_update_kernel(
     # only this kernel writes the state, and the step before has finished (every step has
     # launches without PDL, which wait for everything before them).
     state = tl.load(state_ptrs, mask=mask_pn, other=0.0).to(tl.float32)
+    if DT_PROJ:
+        # This program's rows of dt_proj's weight (channel head * P + p), which no
+        # kernel writes: read before the wait too.
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < R
+        dt_w = tl.load(
+            dtw_ptr + (head * P + offs_p)[:, None] * stride_dtw_c + offs_r[None, :] * stride_dtw_r,
+            mask=mask_p[:, None] & mask_r[None, :],
+            other=0.0,
+        )
     if PDL:
         gdc_wait()
     x = tl.load(
@@ -269,11 +308,19 @@ def _state_update_kernel(
         if HAS_DT_BIAS:
             dt += tl.load(dt_bias_ptr + head * stride_bias_h).to(tl.float32)
     else:
-        dt = tl.load(
-            dt_ptr + row * stride_dt_b + head * stride_dt_h + offs_p * stride_dt_p,
-            mask=mask_p,
-            other=0.0,
-        ).to(tl.float32)
+        if DT_PROJ:
+            dt_in = tl.load(
+                dt_ptr + row * stride_dt_b + offs_r * stride_dt_h, mask=mask_r, other=0.0
+            )
+            dt = tl.sum(dt_w.to(tl.float32) * dt_in.to(tl.float32)[None, :], axis=1)
+            # Rounded as the linear's output is, to the input's dtype.
+            dt = dt.to(dt_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            dt = tl.load(
+                dt_ptr + row * stride_dt_b + head * stride_dt_h + offs_p * stride_dt_p,
+                mask=mask_p,
+                other=0.0,
+            ).to(tl.float32)
         if HAS_DT_BIAS:
             dt += tl.load(
                 dt_bias_ptr + head * stride_bias_h + offs_p * stride_bias_p, mask=mask_p, other=0.0
@@ -396,6 +443,7 @@ def selective_state_update_triton(
     state_slots: torch.Tensor,
     rounding_offsets: torch.Tensor | None = None,
     rounding_seed: int = 0,
+    dt_proj_weight: torch.Tensor | None = None,
     config: Mapping[str, Any] | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
@@ -408,6 +456,9 @@ def selective_state_update_triton(
     `config` overrides launch parameters (see `update_launch_config`; benchmarks and
     tests only).
     """
+    low_rank = _project_dt(x, dt, dt_proj_weight, None)
+    if dt_proj_weight is not None:  # what follows sees a stand-in of the projected dt's shape
+        dt = dt.new_empty(1).view(1, 1, 1).expand(x.shape)
     Bt, H, P, G, N = _check_state_update_args(
         ssm_state, x, dt, A, B, C, D, z, dt_bias, state_slots, rounding_offsets
     )
@@ -425,7 +476,8 @@ def selective_state_update_triton(
             D, dt_bias = _regroup(D, 0, per), _regroup(dt_bias, 0, per)
             H, P = H // per, per
     tied = (
-        dt.stride(2) == 0
+        dt_proj_weight is None
+        and dt.stride(2) == 0
         and A.stride(1) == 0
         and A.stride(2) == 0
         and _tied_over_p(D, (1,))
@@ -443,7 +495,7 @@ def selective_state_update_triton(
     _state_update_kernel[grid](
         ssm_state,
         x,
-        dt,
+        low_rank,
         A,
         B,
         C,
@@ -461,7 +513,7 @@ def selective_state_update_triton(
         float(hi),
         *ssm_state.stride(),
         *x.stride(),
-        *dt.stride(),
+        *(dt.stride() if dt_proj_weight is None else (*low_rank.stride(), 0)),
         *A.stride(),
         *B.stride(),
         *C.stride(),
@@ -469,6 +521,9 @@ def selective_state_update_triton(
         *(z.stride() if z is not None else zeros3),
         *(dt_bias.stride() if dt_bias is not None else (0, 0)),
         *y_out.stride(),
+        dt_proj_weight,
+        low_rank.shape[1] if dt_proj_weight is not None else 0,
+        *(dt_proj_weight.stride() if dt_proj_weight is not None else (0, 0)),
         HAS_D=D is not None,
         HAS_Z=z is not None,
         HAS_DT_BIAS=dt_bias is not None,
@@ -476,6 +531,8 @@ def selective_state_update_triton(
         CLAMP_DT=lo > 0.0 or hi < math.inf,
         TIED=tied,
         ROUNDING=rounding,
+        DT_PROJ=dt_proj_weight is not None,
+        BLOCK_R=next_pow2(low_rank.shape[1]) if dt_proj_weight is not None else 1,
         BLOCK_P=block_p,
         BLOCK_N=block_n,
         num_warps=cfg["num_warps"],

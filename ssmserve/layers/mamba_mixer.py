@@ -26,6 +26,11 @@ from ssmserve.layers.linear import (
 from ssmserve.layers.mamba2_mixer import conv_activation
 from ssmserve.layers.norm import RMSNorm
 
+# Decode steps of at most this many sequences run dt_proj inside the state update (each
+# program reads its channels' rows of the weight, so more rows read it more times).
+# Measured at one row only: see docs/kernels.md, "Mamba1 decode".
+FUSED_DT_PROJ_MAX_ROWS = 1
+
 
 class MambaMixer(nn.Module):
     """Parameter names follow HF (in_proj, conv1d, x_proj, dt_proj, A_log, D, out_proj).
@@ -135,11 +140,13 @@ class MambaMixer(nn.Module):
                 state_slots=slots,
                 activation=self.activation,
             )
-            dt, B, C = self._ssm_inputs(u)
+            # One row: dt_proj inside the state update (one launch fewer a layer).
+            fuse_dt = nd <= FUSED_DT_PROJ_MAX_ROWS
+            dt, B, C = self._ssm_inputs(u, project_dt=not fuse_dt)
             y = self.ops.selective_state_update(
                 cache.ssm.view(-1, Dm, 1, N),
                 u.view(nd, Dm, 1),
-                dt.view(nd, Dm, 1),
+                dt if fuse_dt else dt.view(nd, Dm, 1),
                 A.view(Dm, 1, N),
                 B.view(nd, 1, N),
                 C.view(nd, 1, N),
@@ -148,6 +155,7 @@ class MambaMixer(nn.Module):
                 dt_bias=dt_bias.view(Dm, 1),
                 dt_softplus=True,
                 state_slots=slots,
+                dt_proj_weight=self.dt_proj.weight if fuse_dt else None,
                 **decode_rounding(batch, cache),
             )
             pieces.append(y.view(nd, Dm))
@@ -191,8 +199,11 @@ class MambaMixer(nn.Module):
         y = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
         return self.out_proj(y.to(xz.dtype))
 
-    def _ssm_inputs(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """dt (before bias and softplus), B, C for each token: [T, Dm], [T, N], [T, N]."""
+    def _ssm_inputs(
+        self, u: torch.Tensor, project_dt: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dt (before bias and softplus), B, C for each token: [T, Dm], [T, N], [T, N];
+        without `project_dt`, dt before dt_proj: [T, time_step_rank]."""
         dt, B, C = self.x_proj(u).split(
             [self.time_step_rank, self.state_size, self.state_size], dim=-1
         )
@@ -205,6 +216,8 @@ class MambaMixer(nn.Module):
             dt = norm(dt, self._unit_dt, eps=eps)
             B = norm(B, self._unit_bc, eps=eps)
             C = norm(C, self._unit_bc, eps=eps)
+        if not project_dt:
+            return dt, B, C
         # Through `linear` without the bias (the state update adds it in float32), so
         # that in a batch-1 decode graph dt_proj is a PDL GEMV like the other linears: a
         # cuBLAS launch would break the chain of overlapping launches.

@@ -135,3 +135,56 @@ def test_mamba1_programs_cover_many_channels_at_real_sizes():
     per = state_update._channels_per_head(1, 5120, 1, 16)
     assert 5120 // per >= state_update._MIN_PROGRAMS and per > 1
     assert state_update._channels_per_head(256, 9, 1, 5) == 1
+
+
+@pytest.mark.parametrize("min_programs", [1, 1 << 20])  # many channels a program, and one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba1_dt_proj_inside_the_update_matches_the_projected_dt(
+    monkeypatch, min_programs, dtype
+):
+    """dt_proj_weight: the low-rank dt (a column slice of x_proj's output, R = 10, not a
+    power of two) projected in the kernel gives the twin's result on F.linear's dt, the
+    state pool included, padding rows too; the twin's own dt_proj_weight path is that
+    same F.linear."""
+    monkeypatch.setattr(state_update, "_MIN_PROGRAMS", min_programs)
+    Bt, Dm, N, R = 3, 24, 5, 10
+    args = mamba1_args(Bt, Dm, 1, N, seed=6, dtype=dtype)
+    gen = seeded(7)
+    x_dbl = randn(Bt, R + 2 * N, gen=gen, dtype=dtype).to(DEVICE)
+    low_rank = x_dbl[:, :R]
+    weight = randn(Dm, R, gen=gen, dtype=dtype, scale=0.3).to(DEVICE)
+    projected = torch.nn.functional.linear(low_rank, weight).view(Bt, Dm, 1)
+    pool = randn(5, Dm, 1, N, gen=seeded(8)).to(DEVICE)
+    slots = torch.tensor([4, -1, 1], device=DEVICE)
+    pool_ref, pool_twin = pool.clone(), pool.clone()
+    y_ref = selective_state_update_ref(pool_ref, **{**args, "dt": projected}, state_slots=slots)
+    twin = {**args, "dt": low_rank, "dt_proj_weight": weight}
+    y_twin = selective_state_update_ref(pool_twin, **twin, state_slots=slots)
+    assert torch.equal(y_twin, y_ref) and torch.equal(pool_twin, pool_ref)
+    y = selective_state_update_triton(pool, **twin, state_slots=slots)
+    # In bf16 the kernel's sum may round dt to the neighbouring value of F.linear's.
+    scale = 1.0 if dtype == torch.float32 else 4.0
+    assert_close(y, y_ref, msg="y", scale=scale)
+    assert_close(
+        pool,
+        pool_ref,
+        torch.bfloat16 if dtype != torch.float32 else None,
+        scale=scale,
+        msg="state pool",
+    )
+    assert torch.equal(y[1], torch.zeros_like(y[1]))
+
+
+def test_dt_proj_weight_of_the_wrong_shape_is_refused():
+    args = mamba1_args(2, 8, 1, 4, seed=9)
+    pool = randn(3, 8, 1, 4, gen=seeded(1)).to(DEVICE)
+    low_rank = randn(2, 3, gen=seeded(2)).to(DEVICE)
+    slots = torch.tensor([0, 1], device=DEVICE)
+    for fn in (selective_state_update_ref, selective_state_update_triton):
+        with pytest.raises(ValueError, match="dt_proj_weight"):
+            fn(
+                pool,
+                **{**args, "dt": low_rank},
+                dt_proj_weight=torch.zeros(8, 4),
+                state_slots=slots,
+            )
