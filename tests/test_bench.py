@@ -189,6 +189,17 @@ def test_device_peaks_from_the_table_or_the_flags():
         device_peaks("NVIDIA H200", -1.0)
 
 
+def test_h100_peaks_are_the_measured_ceilings():
+    """The H100 entry is what bench_ceilings.py measured on that card (to the table's
+    three figures); a PCIe H100, with far less bandwidth, gets no floors."""
+    path = Path(__file__).parents[1] / "benchmarks/results/ceilings_2026-12-06_h100.json"
+    measured = json.loads(path.read_text())
+    peaks = device_peaks(measured["env"]["gpu"])
+    assert peaks.bandwidth == pytest.approx(measured["copy_bytes_per_s"], rel=5e-3)
+    assert peaks.flops == pytest.approx(measured["bf16_flop_per_s"], rel=5e-3)
+    assert device_peaks("NVIDIA H100 PCIe") is None
+
+
 def test_percentile_matches_linear_interpolation():
     values = [5.0, 1.0, 3.0, 2.0, 4.0]
     assert percentile(values, 50) == 3.0

@@ -40,6 +40,14 @@ MEASURED_PEAKS = {
     "H200": DevicePeaks(
         "NVIDIA H200", 4.25e12, 783e12, "measured on an H200: device copy, bf16 GEMM"
     ),
+    # The SXM card (HBM3); a PCIe H100 (HBM2e) has about 2 TB/s and takes no entry.
+    "H100 80GB HBM3": DevicePeaks(
+        "NVIDIA H100 80GB HBM3",
+        3.02e12,
+        691e12,
+        "measured on an H100 80GB HBM3: device copy, bf16 GEMM "
+        "(benchmarks/results/ceilings_2026-12-06_h100.json)",
+    ),
 }
 
 
