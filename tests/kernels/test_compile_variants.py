@@ -61,6 +61,9 @@ BOUNDS = {
     "_moe_down_kernel": 3,
     # the expert alignment's block_m, one per launch-table row
     "_align_kernel": 3,
+    # channels a program, 256 halved down to 32 while few rows leave SMs idle: at most
+    # four tiles whatever the batch (update_block_c)
+    "_conv1d_update_kernel": 4,
 }
 
 
