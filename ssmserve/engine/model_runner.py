@@ -58,7 +58,7 @@ class ModelRunner:
         self.model = self._build_model(model_config)
         if self.ops.pdl:
             # The linears of one row (batch-1 decode) chain with the other PDL kernels.
-            fused = {"decode_gemv": self.ops.gemv}
+            fused = {"decode_gemv": self.ops.gemv, "decode_conv_gemv": self.ops.conv_gemv}
             if config.decode_fused_gemv:
                 fused["decode_norm_gemv"] = self.ops.gated_norm_gemv
                 fused["decode_act_gemv"] = self.ops.act_mul_gemv

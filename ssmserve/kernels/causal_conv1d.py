@@ -20,6 +20,7 @@ from ssmserve.kernels._common import (
     check_shape,
     check_varlen,
     check_varlen_shapes,
+    device_function,
     gdc_launch_dependents,
     gdc_wait,
     launch_config,
@@ -449,6 +450,58 @@ def _conv1d_update_kernel(
     # NOTE: column k+1 is read by the thread writing column k+1's neighbour.
     tl.debug_barrier()
     tl.store(state_row + offs_k[None, :] * stride_s_k, shifted, mask=mask_ck)
+
+
+@device_function
+def conv_step(
+    xbc_row_ptr,
+    conv_row_ptr,
+    weight_ptr,
+    bias_ptr,
+    channels,
+    mask_c,
+    valid,
+    stride_xbc_c,
+    stride_cs_c,
+    stride_cs_k,
+    stride_w_c,
+    stride_w_k,
+    stride_cb,
+    KM1: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # One token of the depthwise conv on `channels` of one row (the fused Mamba2 decode
+    # and the in_proj GEMV's conv epilogue: `_conv1d_update_kernel`'s arithmetic in its
+    # order, so its result bit for bit). Returns the output in
+    # float32, rounded to xbc's dtype first (as the unfused conv stores it), the window
+    # shifted by one with the new input appended, and where and under which mask that
+    # new window goes. Loads only: the caller orders the store after every reader.
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < KM1
+    mask_ck = mask_c[:, None] & mask_k[None, :] & valid
+    window_ptrs = conv_row_ptr + channels[:, None] * stride_cs_c + offs_k[None, :] * stride_cs_k
+    window = tl.load(window_ptrs, mask=mask_ck, other=0.0)
+    shifted = tl.load(
+        window_ptrs + stride_cs_k, mask=mask_ck & (offs_k < KM1 - 1)[None, :], other=0.0
+    )
+    x = tl.load(xbc_row_ptr + channels * stride_xbc_c, mask=mask_c & valid, other=0.0)
+    w = tl.load(
+        weight_ptr + channels[:, None] * stride_w_c + offs_k[None, :] * stride_w_k,
+        mask=mask_c[:, None] & mask_k[None, :],
+        other=0.0,
+    )
+    w_last = tl.load(weight_ptr + channels * stride_w_c + KM1 * stride_w_k, mask=mask_c, other=0.0)
+    acc = tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=1)
+    acc += x.to(tl.float32) * w_last.to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + channels * stride_cb, mask=mask_c, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    out = acc.to(xbc_row_ptr.dtype.element_ty).to(tl.float32)
+    new_window = tl.where((offs_k == KM1 - 1)[None, :], x.to(shifted.dtype)[:, None], shifted)
+    return out, new_window, window_ptrs, mask_ck
 
 
 def update_block_c(Bt: int, Cd: int, device: torch.device) -> int:

@@ -27,7 +27,6 @@ import torch
 from ssmserve.kernels._common import (
     cdiv,
     check_shape,
-    device_function,
     gdc_launch_dependents,
     gdc_wait,
     launch_config,
@@ -37,7 +36,7 @@ from ssmserve.kernels._common import (
     pdl_launch,
     tl,
 )
-from ssmserve.kernels.causal_conv1d import causal_conv1d_update_ref
+from ssmserve.kernels.causal_conv1d import causal_conv1d_update_ref, conv_step
 from ssmserve.kernels.state_update import selective_state_update_ref
 from ssmserve.kernels.stochastic_rounding import (
     ROUNDED_DTYPES,
@@ -202,56 +201,6 @@ def conv_then_state_update(
 # ---------------------------------------------------------------------------- Triton
 
 
-@device_function
-def _conv_step(
-    xbc_row_ptr,
-    conv_row_ptr,
-    weight_ptr,
-    bias_ptr,
-    channels,
-    mask_c,
-    valid,
-    stride_xbc_c,
-    stride_cs_c,
-    stride_cs_k,
-    stride_w_c,
-    stride_w_k,
-    stride_cb,
-    KM1: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    # One token of the depthwise conv on `channels` of one row. Returns the output in
-    # float32, rounded to xbc's dtype first (as the unfused conv stores it), the window
-    # shifted by one with the new input appended, and where and under which mask that
-    # new window goes. Loads only: the caller orders the store after every reader.
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_k = offs_k < KM1
-    mask_ck = mask_c[:, None] & mask_k[None, :] & valid
-    window_ptrs = conv_row_ptr + channels[:, None] * stride_cs_c + offs_k[None, :] * stride_cs_k
-    window = tl.load(window_ptrs, mask=mask_ck, other=0.0)
-    shifted = tl.load(
-        window_ptrs + stride_cs_k, mask=mask_ck & (offs_k < KM1 - 1)[None, :], other=0.0
-    )
-    x = tl.load(xbc_row_ptr + channels * stride_xbc_c, mask=mask_c & valid, other=0.0)
-    w = tl.load(
-        weight_ptr + channels[:, None] * stride_w_c + offs_k[None, :] * stride_w_k,
-        mask=mask_c[:, None] & mask_k[None, :],
-        other=0.0,
-    )
-    w_last = tl.load(weight_ptr + channels * stride_w_c + KM1 * stride_w_k, mask=mask_c, other=0.0)
-    acc = tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=1)
-    acc += x.to(tl.float32) * w_last.to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + channels * stride_cb, mask=mask_c, other=0.0).to(tl.float32)
-    if SILU:
-        acc = acc / (1.0 + tl.exp(-acc))
-    out = acc.to(xbc_row_ptr.dtype.element_ty).to(tl.float32)
-    new_window = tl.where((offs_k == KM1 - 1)[None, :], x.to(shifted.dtype)[:, None], shifted)
-    return out, new_window, window_ptrs, mask_ck
-
-
 # Not specialised, as in the unfused kernels: the slots and positions (views into the
 # step's packed inputs), the per-layer rounding key, the batch strides (a one-row batch
 # gets contiguous strides from torch) and the per-batch program layout.
@@ -363,12 +312,12 @@ def _mamba2_decode_kernel(
     xbc_row = xbc_ptr + row * stride_xbc_b
     conv_row = conv_state_ptr + slot * stride_cs_slot
     x_dim = n_groups * heads_per_group * P
-    b, b_window, b_window_ptrs, b_mask = _conv_step(
+    b, b_window, b_window_ptrs, b_mask = conv_step(
         xbc_row, conv_row, conv_weight_ptr, conv_bias_ptr, x_dim + group * N + offs_n, mask_n,
         valid, stride_xbc_c, stride_cs_c, stride_cs_k, stride_w_c, stride_w_k, stride_cb,
         KM1, HAS_CONV_BIAS, SILU, BLOCK_K,
     )  # fmt: skip
-    c, c_window, c_window_ptrs, c_mask = _conv_step(
+    c, c_window, c_window_ptrs, c_mask = conv_step(
         xbc_row, conv_row, conv_weight_ptr, conv_bias_ptr,
         x_dim + (n_groups + group) * N + offs_n, mask_n, valid,
         stride_xbc_c, stride_cs_c, stride_cs_k, stride_w_c, stride_w_k, stride_cb,
@@ -415,7 +364,7 @@ def _mamba2_decode_kernel(
             mask=mask_pn & (i + 1 < heads_per_program),
             other=0.0,
         )
-        x, x_window, x_window_ptrs, x_mask = _conv_step(
+        x, x_window, x_window_ptrs, x_mask = conv_step(
             xbc_row, conv_row, conv_weight_ptr, conv_bias_ptr, head * P + offs_p, mask_p,
             valid, stride_xbc_c, stride_cs_c, stride_cs_k, stride_w_c, stride_w_k, stride_cb,
             KM1, HAS_CONV_BIAS, SILU, BLOCK_K,

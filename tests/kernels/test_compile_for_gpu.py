@@ -27,6 +27,7 @@ from ssmserve.kernels._common import LazyKernel
 from ssmserve.kernels.gemv import (
     act_mul_gemv_triton,
     add_norm_gemv_triton,
+    conv_gemv_triton,
     gated_norm_gemv_triton,
     gemv_triton,
 )
@@ -95,6 +96,10 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
                 module.decode_act_gemv = act_mul_gemv_triton
             if hasattr(module, "decode_add_norm_gemv"):
                 module.decode_add_norm_gemv = add_norm_gemv_triton
+            # in_proj with the conv after it: FalconMamba's (Granite's one-row decode
+            # keeps the fused Mamba2 decode kernel, as decode without PDL runs it).
+            if family == "falcon_mamba" and hasattr(module, "decode_conv_gemv"):
+                module.decode_conv_gemv = conv_gemv_triton
         llm.generate(prompts[:1], params, use_tqdm=False)  # one row alone
         llm.generate(prompts, params, use_tqdm=False)
         del llm
@@ -105,6 +110,13 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
         kwargs["ACT"] for kernel, _, kwargs in launches.values() if kernel.name == "_gemv_kernel"
     }
     assert acts == {-1, 0}, acts
+    # And the GEMV with the conv update after it.
+    convs = {
+        kwargs.get("CONV", False)
+        for kernel, _, kwargs in launches.values()
+        if kernel.name == "_gemv_kernel"
+    }
+    assert convs == {False, True}, convs
     # So is the gated norm's GEMV with the residual add in front (FalconMamba's blocks).
     adds = {
         kwargs["HAS_RESIDUAL"]
