@@ -18,6 +18,10 @@ runner sets them only with `--decode-fused-gemv`, off until measured faster): th
 kernel computing act(gate) * up as it loads x (`act_mul_gemv`), and a second one whose
 programs normalise the row as they stream it (`gated_norm_gemv`: a Mamba2 mixer's gated
 norm; `add_norm_gemv`: the residual add and RMSNorm before a block's first linear).
+A fourth fuses what comes after one: `conv_gemv`, a mixer's in_proj whose programs then
+apply the causal conv update to the conv channels they computed (each output row is one
+channel, so a program owns its channels' outputs and conv state; the runner sets it with
+`--decode-conv-gemv`, off until measured).
 
 benchmarks/kernels/bench_pdl.py measures them against F.linear in decode-shaped chains.
 """

@@ -207,8 +207,10 @@ def test_bad_arguments_are_refused():
 def test_fused_gemvs_need_decode_pdl():
     from ssmserve import LLM
 
-    with pytest.raises(RuntimeError, match="decode_fused_gemv .*without --decode-fused-gemv"):
-        LLM("ssmserve-bamba-tiny", decode_fused_gemv=True)
+    for flag in ("decode_fused_gemv", "decode_conv_gemv"):
+        option = "--" + flag.replace("_", "-")
+        with pytest.raises(RuntimeError, match=f"{flag} .*without {option}"):
+            LLM("ssmserve-bamba-tiny", **{flag: True})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
