@@ -27,8 +27,9 @@ from ssmserve.layers.mamba2_mixer import ConvInProjection, conv_activation
 from ssmserve.layers.norm import RMSNorm
 
 # Decode steps of at most this many sequences run dt_proj inside the state update (each
-# program reads its channels' rows of the weight, so more rows read it more times).
-# Measured at one row only: see docs/kernels.md, "Mamba1 decode".
+# program reads its channels' rows of the weight, so more rows read it more times): one
+# launch fewer a layer at batch 1. Not yet timed on a GPU (docs/kernels.md, "Selective
+# state update").
 FUSED_DT_PROJ_MAX_ROWS = 1
 
 
