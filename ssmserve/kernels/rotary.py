@@ -22,6 +22,7 @@ from ssmserve.kernels._common import (
     pdl_launch,
     tl,
 )
+from ssmserve.kernels.paged_attention import _check_kv_write_args, write_kv_cache_ref
 
 
 def _check_rotary_args(
@@ -44,17 +45,46 @@ def rotary_embedding_ref(
     inv_freq: torch.Tensor,
     *,
     scaling: float = 1.0,
+    v: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], k [T, KVH, D], positions [T], inv_freq [rotary_dim / 2] (float32)
-    -> rotated q, k (new tensors)."""
+    -> rotated q, k (new tensors). With v, k_cache, v_cache and slot_mapping (all or
+    none), the rotated k and v are also written to the paged caches, as
+    `write_kv_cache` does (the Triton form does it in the same launch)."""
     _check_rotary_args(positions, q, k, inv_freq)
+    writes = _check_kv_args(k, v, k_cache, v_cache, slot_mapping)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     cos = (emb.cos() * scaling).to(q.dtype)[:, None, :]
     sin = (emb.sin() * scaling).to(q.dtype)[:, None, :]
     dim = emb.shape[-1]
-    return _rotate(q, cos, sin, dim), _rotate(k, cos, sin, dim)
+    q, k = _rotate(q, cos, sin, dim), _rotate(k, cos, sin, dim)
+    if writes:
+        write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
+def _check_kv_args(
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor | None,
+) -> bool:
+    """Whether the call writes the caches (all four given; none is fine too)."""
+    given = [t is not None for t in (v, k_cache, v_cache, slot_mapping)]
+    if any(given) and not all(given):
+        raise ValueError(
+            "rotary_embedding writes the KV cache given v, k_cache, v_cache and "
+            "slot_mapping together; pass all four or none"
+        )
+    if all(given):
+        _check_kv_write_args(k, v, k_cache, v_cache, slot_mapping)
+    return all(given)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
@@ -67,35 +97,65 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> 
 # ---------------------------------------------------------------------------- Triton
 
 
-@lazy_jit(do_not_specialize=("pos_ptr",))
+@lazy_jit(do_not_specialize=("pos_ptr", "slot_ptr"))
 def _rotary_kernel(
-    x_ptr,
-    y_ptr,
+    q_ptr,
+    qy_ptr,
+    k_ptr,
+    ky_ptr,
     pos_ptr,
     freq_ptr,
-    num_heads,
+    num_q_heads,
     half,
     head_dim,
     scaling,
-    stride_x_t,
-    stride_x_h,
-    stride_y_t,
-    stride_y_h,
+    stride_q_t,
+    stride_q_h,
+    stride_qy_t,
+    stride_qy_h,
+    stride_k_t,
+    stride_k_h,
+    stride_ky_t,
+    stride_ky_h,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    block_size,
+    stride_v_t,
+    stride_v_h,
+    stride_kc_b,
+    stride_kc_o,
+    stride_kc_h,
+    stride_vc_b,
+    stride_vc_o,
+    stride_vc_h,
     BLOCK_HALF: tl.constexpr,
     BLOCK_REST: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WRITE_KV: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    # One program per (token, head): rotate the first 2 * half dims, copy the rest.
+    # One program per (token, head), q's heads first, then k's: rotate the first
+    # 2 * half dims, copy the rest. With WRITE_KV a k head's program also writes the
+    # rotated head and the token's v head into the caches (write_kv_cache's stores).
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    is_k = h >= num_q_heads
+    if is_k:
+        kv_head = h - num_q_heads
+        x_row = k_ptr + t * stride_k_t + kv_head * stride_k_h
+        y_row = ky_ptr + t * stride_ky_t + kv_head * stride_ky_h
+    else:
+        kv_head = h * 0
+        x_row = q_ptr + t * stride_q_t + h * stride_q_h
+        y_row = qy_ptr + t * stride_qy_t + h * stride_qy_h
     offs = tl.arange(0, BLOCK_HALF)
     mask = offs < half
     angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(freq_ptr + offs, mask=mask, other=0.0)
-    x_row = x_ptr + t * stride_x_t + h * stride_x_h
-    y_row = y_ptr + t * stride_y_t + h * stride_y_h
     a = tl.load(x_row + offs, mask=mask, other=0.0)
     b = tl.load(x_row + half + offs, mask=mask, other=0.0)
     dtype = a.dtype
@@ -103,51 +163,32 @@ def _rotary_kernel(
     sin = (tl.sin(angle) * scaling).to(dtype).to(tl.float32)
     af, bf = a.to(tl.float32), b.to(tl.float32)
     # Round each product and the sum as the PyTorch twin does in the model dtype.
-    ra = (af * cos).to(dtype).to(tl.float32) - (bf * sin).to(dtype).to(tl.float32)
-    rb = (bf * cos).to(dtype).to(tl.float32) + (af * sin).to(dtype).to(tl.float32)
-    tl.store(y_row + offs, ra.to(dtype), mask=mask)
-    tl.store(y_row + half + offs, rb.to(dtype), mask=mask)
+    ra = ((af * cos).to(dtype).to(tl.float32) - (bf * sin).to(dtype).to(tl.float32)).to(dtype)
+    rb = ((bf * cos).to(dtype).to(tl.float32) + (af * sin).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(y_row + offs, ra, mask=mask)
+    tl.store(y_row + half + offs, rb, mask=mask)
     if BLOCK_REST > 0:
         rest = 2 * half + tl.arange(0, BLOCK_REST)
         keep = rest < head_dim
-        tl.store(y_row + rest, tl.load(x_row + rest, mask=keep, other=0.0), mask=keep)
-
-
-def _rotate_triton(
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    scaling: float,
-    pdl: bool = False,
-) -> torch.Tensor:
-    T, H, D = x.shape
-    half = inv_freq.shape[0]
-    y = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
-    if T == 0:
-        return y
-    if x.stride(2) != 1:
-        x = x.contiguous()
-    rest = D - 2 * half
-    _rotary_kernel[(T, H)](
-        x,
-        y,
-        positions,
-        inv_freq,
-        H,
-        half,
-        D,
-        float(scaling),
-        x.stride(0),
-        x.stride(1),
-        y.stride(0),
-        y.stride(1),
-        BLOCK_HALF=next_pow2(half),
-        BLOCK_REST=next_pow2(rest) if rest else 0,
-        num_warps=1,
-        PDL=pdl,
-        **pdl_launch(pdl),
-    )
-    return y
+        kept = tl.load(x_row + rest, mask=keep, other=0.0)
+        tl.store(y_row + rest, kept, mask=keep)
+    if WRITE_KV:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        write = is_k & (slot >= 0)
+        kc_row = kc_ptr + (slot // block_size) * stride_kc_b + (slot % block_size) * stride_kc_o
+        kc_row += kv_head * stride_kc_h
+        kc_dtype = kc_ptr.dtype.element_ty
+        tl.store(kc_row + offs, ra.to(kc_dtype), mask=mask & write)
+        tl.store(kc_row + half + offs, rb.to(kc_dtype), mask=mask & write)
+        if BLOCK_REST > 0:
+            tl.store(kc_row + rest, kept.to(kc_dtype), mask=keep & write)
+        offs_d = tl.arange(0, BLOCK_D)
+        keep_d = (offs_d < head_dim) & write
+        v_row = v_ptr + t * stride_v_t + kv_head * stride_v_h
+        vc_row = vc_ptr + (slot // block_size) * stride_vc_b + (slot % block_size) * stride_vc_o
+        vc_row += kv_head * stride_vc_h
+        vals = tl.load(v_row + offs_d, mask=keep_d, other=0.0)
+        tl.store(vc_row + offs_d, vals.to(vc_ptr.dtype.element_ty), mask=keep_d)
 
 
 def rotary_embedding_triton(
@@ -157,11 +198,60 @@ def rotary_embedding_triton(
     inv_freq: torch.Tensor,
     *,
     scaling: float = 1.0,
+    v: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of `rotary_embedding_ref` (same arguments, shapes and result)."""
-    _check_rotary_args(positions, q, k, inv_freq)
-    return (
-        _rotate_triton(q, positions, inv_freq, scaling, pdl),
-        _rotate_triton(k, positions, inv_freq, scaling, pdl),
+    """Triton twin of `rotary_embedding_ref` (same arguments, shapes and result): q and k
+    in one launch, and the cache write in it too where asked."""
+    T, half = _check_rotary_args(positions, q, k, inv_freq)
+    writes = _check_kv_args(k, v, k_cache, v_cache, slot_mapping)
+    Hq, Hk, D = q.shape[1], k.shape[1], q.shape[2]
+    qy = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ky = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if T == 0:
+        return qy, ky
+    q = q if q.stride(2) == 1 else q.contiguous()
+    k = k if k.stride(2) == 1 else k.contiguous()
+    if writes:
+        v = v if v.stride(2) == 1 else v.contiguous()
+        if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+            raise ValueError("the KV caches' head dims must be contiguous")
+    rest = D - 2 * half
+    cache_args = (
+        (v, k_cache, v_cache, slot_mapping, k_cache.shape[1], *v.stride()[:2],
+         *k_cache.stride()[:3], *v_cache.stride()[:3])
+        if writes
+        else (None, None, None, None, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+    )  # fmt: skip
+    _rotary_kernel[(T, Hq + Hk)](
+        q,
+        qy,
+        k,
+        ky,
+        positions,
+        inv_freq,
+        Hq,
+        half,
+        D,
+        float(scaling),
+        q.stride(0),
+        q.stride(1),
+        qy.stride(0),
+        qy.stride(1),
+        k.stride(0),
+        k.stride(1),
+        ky.stride(0),
+        ky.stride(1),
+        *cache_args,
+        BLOCK_HALF=next_pow2(half),
+        BLOCK_REST=next_pow2(rest) if rest else 0,
+        BLOCK_D=next_pow2(D),
+        WRITE_KV=writes,
+        num_warps=1,
+        PDL=pdl,
+        **pdl_launch(pdl),
     )
+    return qy, ky

@@ -108,10 +108,14 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.rotary is not None:
+            # RoPE on q and k, and this step's K/V into the cache, in one launch.
             q, k = self.ops.rotary_embedding(
-                batch.positions, q, k, self.rotary.inv_freq, scaling=self.rotary.attention_scaling
-            )
-        self.ops.write_kv_cache(k, v, cache.k, cache.v, batch.slot_mapping)
+                batch.positions, q, k, self.rotary.inv_freq,
+                scaling=self.rotary.attention_scaling,
+                v=v, k_cache=cache.k, v_cache=cache.v, slot_mapping=batch.slot_mapping,
+            )  # fmt: skip
+        else:
+            self.ops.write_kv_cache(k, v, cache.k, cache.v, batch.slot_mapping)
         # Head dims the fused kernels take (flash and memory-efficient attention).
         fusable = q.is_cuda and self.head_dim % 8 == 0 and self.head_dim <= 256
         long = self._long_prefills(batch) if fusable else []

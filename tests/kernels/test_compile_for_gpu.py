@@ -31,6 +31,7 @@ from ssmserve.kernels.gemv import (
     gated_norm_gemv_triton,
     gemv_triton,
 )
+from ssmserve.kernels.paged_attention import write_kv_cache_triton
 from tests.tiny_models import make_tiny_checkpoint
 
 pytestmark = [
@@ -103,6 +104,11 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
         llm.generate(prompts[:1], params, use_tqdm=False)  # one row alone
         llm.generate(prompts, params, use_tqdm=False)
         del llm
+    # Attention without RoPE writes its K/V on their own (RoPE's kernel writes them for
+    # the models above): a write of one token's.
+    kv = torch.zeros(1, 2, 16, device=DEVICE)
+    cache = torch.zeros(4, 16, 2, 16, device=DEVICE)
+    write_kv_cache_triton(kv, kv, cache, cache.clone(), torch.tensor([3], device=DEVICE))
     monkeypatch.undo()
     names = {name for name, _ in launches}
     # The GEMV with the gated MLP's act-and-mul in front of it is its own variant.
@@ -117,6 +123,9 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
         if kernel.name == "_gemv_kernel"
     }
     assert convs == {False, True}, convs
+    # RoPE writes the K/V into the cache in its launch.
+    rope = {kw["WRITE_KV"] for k, _, kw in launches.values() if k.name == "_rotary_kernel"}
+    assert rope == {True}, rope
     # So is the gated norm's GEMV with the residual add in front (FalconMamba's blocks).
     adds = {
         kwargs["HAS_RESIDUAL"]

@@ -69,3 +69,44 @@ def test_gated_activation_triton_matches_twin(dtype, act):
 def test_unknown_activation_is_refused():
     with pytest.raises(ValueError, match="act_and_mul supports"):
         act_and_mul_ref(torch.zeros(1, 4), act="mish")
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(16, 16), (10, 6)])
+def test_rope_with_the_cache_write_is_rope_then_write_kv(dtype, head_dim, rotary_dim):
+    """Given v, the caches and the slots, the rotation writes the rotated k and v into
+    the paged caches in the same launch: bit for bit rotary_embedding then
+    write_kv_cache (Triton and twins alike), q and k as without the write, a slot of -1
+    writing nothing, K/V heads fewer than q's, and k, v slices of one qkv row."""
+    from ssmserve.kernels.paged_attention import write_kv_cache_ref, write_kv_cache_triton
+
+    gen = seeded(3)
+    T, H, KVH, block_size = 5, 4, 2, 4
+    qkv = randn(T, (H + 2 * KVH) * head_dim, gen=gen, dtype=dtype).to(DEVICE)
+    q, k, v = (
+        t.view(T, -1, head_dim)
+        for t in qkv.split([H * head_dim, KVH * head_dim, KVH * head_dim], dim=-1)
+    )
+    positions = torch.tensor([0, 7, 3, 100, 2], device=DEVICE)
+    inv_freq = (1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))).to(DEVICE)
+    slots = torch.tensor([5, -1, 0, 11, 6], device=DEVICE)
+    caches = randn(2, 4, block_size, KVH, head_dim, gen=gen, dtype=dtype).to(DEVICE)
+    for rope, write in (
+        (rotary_embedding_triton, write_kv_cache_triton),
+        (rotary_embedding_ref, write_kv_cache_ref),
+    ):
+        kc, vc = caches[0].clone(), caches[1].clone()
+        q1, k1 = rope(positions, q, k, inv_freq, v=v, k_cache=kc, v_cache=vc, slot_mapping=slots)
+        kc2, vc2 = caches[0].clone(), caches[1].clone()
+        q2, k2 = rope(positions, q, k, inv_freq)
+        write(k2, v, kc2, vc2, slots)
+        assert torch.equal(q1, q2) and torch.equal(k1, k2)
+        assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+        assert not torch.equal(kc, caches[0])  # something was written
+
+
+def test_rope_cache_write_needs_all_its_arguments():
+    positions, q, k, inv_freq = rope_case(torch.float32)
+    with pytest.raises(ValueError, match="all four or none"):
+        rotary_embedding_ref(positions, q, k, inv_freq, v=k)
