@@ -276,8 +276,10 @@ def _launch_gemv(
     act: int,
     pdl: bool,
     config: Mapping[str, Any] | None,
+    **epilogue: Any,
 ) -> torch.Tensor:
-    """`_gemv_kernel` over x (gate ++ up when act >= 0) into out [1, N]."""
+    """`_gemv_kernel` over x (gate ++ up when act >= 0) into out [1, N]; `epilogue` are
+    the kernel's conv epilogue arguments (`conv_gemv_triton`), if any."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
@@ -298,6 +300,7 @@ def _launch_gemv(
         EVEN_K=K % cfg["block_k"] == 0,
         ACT=act,
         PDL=pdl,
+        **epilogue,
         num_warps=cfg["num_warps"],
         **pdl_launch(pdl),
     )
@@ -392,41 +395,16 @@ def conv_gemv_triton(
             activation=activation,
         )  # fmt: skip
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    cfg = gemv_launch_config(N, K, x.device, config)
-    _gemv_kernel[(cdiv(N, cfg["block_n"]),)](
-        x,
-        weight,
-        bias,
-        out,
-        N,
-        K,
-        weight.stride(0),
-        HAS_BIAS=bias is not None,
-        BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"],
-        EVEN_K=K % cfg["block_k"] == 0,
-        ACT=-1,
-        PDL=pdl,
-        slots_ptr=state_slots,
-        conv_state_ptr=conv_state,
-        conv_w_ptr=conv_weight,
-        conv_b_ptr=conv_bias,
-        conv_lo=conv_lo,
-        C=C,
-        stride_cs_slot=conv_state.stride(0),
-        stride_cs_c=conv_state.stride(1),
-        stride_cs_k=conv_state.stride(2),
-        stride_cw_c=conv_weight.stride(0),
-        stride_cw_k=conv_weight.stride(1),
-        CONV=True,
-        KM1=Kc - 1,
-        HAS_CONV_BIAS=conv_bias is not None,
-        SILU=activation is not None,
+    return _launch_gemv(
+        x, weight, bias, out, K, -1, pdl, config,
+        slots_ptr=state_slots, conv_state_ptr=conv_state, conv_w_ptr=conv_weight,
+        conv_b_ptr=conv_bias, conv_lo=conv_lo, C=C,
+        stride_cs_slot=conv_state.stride(0), stride_cs_c=conv_state.stride(1),
+        stride_cs_k=conv_state.stride(2), stride_cw_c=conv_weight.stride(0),
+        stride_cw_k=conv_weight.stride(1), CONV=True, KM1=Kc - 1,
+        HAS_CONV_BIAS=conv_bias is not None, SILU=activation is not None,
         BLOCK_KC=next_pow2(Kc - 1),
-        num_warps=cfg["num_warps"],
-        **pdl_launch(pdl),
-    )
-    return out
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------ act-and-mul + GEMV
