@@ -14,7 +14,7 @@
 #
 #   tests        GPU kernel, model and CUDA-graph tests (a call of its own)      ~5 min
 #   quick        the GPU tests of the newest paths: GEMVs (fused ones too), norms at model
-#                widths, PDL, conv and state updates, cuDNN merge            ~3 min
+#                widths, PDL, conv and state updates, RoPE, cuDNN merge      ~3 min
 #   ceilings     the card's device-copy bandwidth and bf16 GEMM rate (the floors' peaks) ~1 min
 #   kernels      state update (Mamba1 regrouped and Mamba2) and MoE launch sizes ~3 min
 #   pdl          bench_pdl.py's chains; batch-1 Mamba2-2.7B, Bamba-9B without PDL, with it, and
@@ -72,8 +72,9 @@ section() {
         python3 -m pytest -q tests/kernels/test_gemv.py tests/kernels/test_attention_merge.py \
             tests/kernels/test_compile_for_gpu.py tests/kernels/test_bench_pdl.py \
             tests/kernels/test_triton_norm_attention.py tests/kernels/test_triton_state_update.py \
-            tests/kernels/test_triton_conv1d.py tests/test_triton_models.py tests/test_cuda_graphs.py \
-            -k "gemv or merge or pdl or cudnn or sm90 or model_widths or in_proj or update"
+            tests/kernels/test_triton_conv1d.py tests/kernels/test_rotary_activation.py \
+            tests/test_triton_models.py tests/test_cuda_graphs.py \
+            -k "gemv or merge or pdl or cudnn or sm90 or model_widths or in_proj or update or rope"
         ;;
     ceilings)
         python3 benchmarks/kernels/bench_ceilings.py --out "$dir/ceilings.json"
