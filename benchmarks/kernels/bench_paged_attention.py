@@ -308,7 +308,8 @@ def sweep_point(label: str, b: dict[str, Any], expected: torch.Tensor, graphed: 
 def sweep_decode() -> None:
     # (1, 2048): batch-1 decode after a 2k prompt, where Llama-3-8B's attention took
     # 11.3 µs a layer on the H100 against a 2.8 µs floor (2026-12-06, no PDL).
-    points = [(64, 4096), (8, 4096), (1, 32768), (1, 2048)] if not TINY else [(3, 70)]
+    # (1, 128): one tile, the path's fixed latency.
+    points = [(64, 4096), (8, 4096), (1, 32768), (1, 2048), (1, 128)] if not TINY else [(3, 70)]
     variants = [
         {},
         {"num_stages": 1},
@@ -317,6 +318,8 @@ def sweep_decode() -> None:
         {"block_n": 32},
         {"block_n": 128, "num_warps": 8},
         {"num_splits": 1},
+        {"num_splits": 4},
+        {"num_splits": 8},
         {"num_splits": 16},
         {"num_splits": 32},
         {"num_splits": 64},
