@@ -45,6 +45,7 @@ from bench_common import (
     run_sections,
 )
 
+from ssmserve.kernels._common import pdl_unavailable_reason
 from ssmserve.kernels.paged_attention import (
     decode_launch_config,
     paged_attention_ref,
@@ -141,12 +142,14 @@ def timed_ms(fn) -> float:
     return bench_ms(fn, warmup=10, rep=40)
 
 
-def graph_ms(fn) -> float | None:
-    """One call replayed from a CUDA graph (how the engine runs decode)."""
+def graph_ms(fn, calls: int = 1) -> float | None:
+    """A call replayed from a CUDA graph (how the engine runs decode): ms per call of a
+    graph of `calls` calls in a row. One call a graph times the replay's launch as well,
+    which exceeds a batch-1 decode's kernels, so the sweep takes 16."""
     if DEV.type != "cuda":
         return None
-    graph, _ = capture(fn)
-    ms = timed_ms(graph.replay)
+    graph, _ = capture(lambda: [fn() for _ in range(calls)])
+    ms = timed_ms(graph.replay) / calls
     del graph
     return ms
 
@@ -297,7 +300,7 @@ def sweep_point(label: str, b: dict[str, Any], expected: torch.Tensor, graphed: 
     fn = lambda: call(paged_attention_triton, b, **kw)  # noqa: E731
     try:
         err = rel_err(fn(), expected)
-        ms = (graph_ms(fn) if graphed else None) or timed_ms(fn)
+        ms = (graph_ms(fn, calls=16) if graphed else None) or timed_ms(fn)
     except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
         log(f"{label}: failed: {str(exc)[:300]}")
         return
@@ -325,12 +328,24 @@ def sweep_decode() -> None:
         {"num_splits": 64},
         {"block_n": 32, "num_splits": 64},
     ]
+    # With PDL (as decode graphs launch it on sm_90), each call waits for the one before;
+    # prefetch reads the first key tile before that wait.
+    pdl_variants = [
+        {},
+        {"prefetch": True},
+        {"num_splits": 16},
+        {"num_splits": 16, "prefetch": True},
+    ]
+    pdl = DEV.type == "cuda" and pdl_unavailable_reason(DEV) is None
     for batch, ctx in points:
         b = make_batch([ctx - 1] * batch, [1] * batch)
         expected = call(paged_attention_triton, b)
         for override in variants:
             label = f"sweep decode batch {batch} ctx {ctx} {json.dumps(override)}"
             sweep_point(label, b, expected, graphed=True, decode_config=override)
+        for override in pdl_variants if pdl else []:
+            label = f"sweep decode batch {batch} ctx {ctx} pdl {json.dumps(override)}"
+            sweep_point(label, b, expected, graphed=True, decode_config=override, pdl=True)
         del b
 
 
