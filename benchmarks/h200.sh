@@ -17,10 +17,8 @@
 #                widths, PDL, conv and state updates, RoPE, cuDNN merge      ~3 min
 #   ceilings     the card's device-copy bandwidth and bf16 GEMM rate (the floors' peaks) ~1 min
 #   kernels      state update (Mamba1 regrouped and Mamba2) and MoE launch sizes ~3 min
-#   pdl          bench_pdl.py's chains; batch-1 Mamba2-2.7B, Bamba-9B without PDL, with it, and
-#                with in_proj and the conv in one launch (--decode-conv-gemv)   ~3 min
-#   pdl2         the same for Mamba-2.8B, Llama-3-8B without and with PDL; Mamba2-2.7B
-#                profiles                                                       ~3 min
+#   pdl          bench_pdl.py's chains; batch-1 Mamba2-2.7B, Bamba-9B without and with PDL ~3 min
+#   pdl2         the same for Mamba-2.8B and Llama-3-8B; Mamba2-2.7B profiles   ~3 min
 #   pdl3         PDL beyond batch 1, with and without: Bamba-9B b256 fp32 state and
 #                Llama-3-8B b64 decode steps at 5k; Mamba2-2.7B 2k prefill   ~4 min
 #   latency      batch-1 decode at 2k: Bamba-9B, Llama-3-8B, Mamba2-2.7B, Mamba-2.8B ~5 min
@@ -31,7 +29,7 @@
 set -uo pipefail
 
 if [ $# -lt 2 ]; then
-    sed -n '2,30p' "$0"
+    sed -n '2,28p' "$0"
     exit 2
 fi
 export SSMSERVE_COMMIT=$1
@@ -74,7 +72,7 @@ section() {
             tests/kernels/test_triton_norm_attention.py tests/kernels/test_triton_state_update.py \
             tests/kernels/test_triton_conv1d.py tests/kernels/test_rotary_activation.py \
             tests/test_triton_models.py tests/test_cuda_graphs.py \
-            -k "gemv or merge or pdl or cudnn or sm90 or model_widths or in_proj or update or rope"
+            -k "gemv or merge or pdl or cudnn or sm90 or model_widths or update or rope"
         ;;
     ceilings)
         python3 benchmarks/kernels/bench_ceilings.py --out "$dir/ceilings.json"
@@ -87,15 +85,15 @@ section() {
     pdl)
         python3 benchmarks/kernels/bench_pdl.py --out "$dir/pdl_h200.json" &&
             for model in mamba2-2.7b bamba-9b; do
-                latency_b1 $model _no_pdl --no-decode-pdl && latency_b1 $model _pdl --decode-pdl &&
-                    latency_b1 $model _conv --decode-pdl --decode-conv-gemv || return
+                latency_b1 $model _no_pdl --no-decode-pdl && latency_b1 $model _pdl --decode-pdl ||
+                    return
             done
         ;;
     pdl2)
-        latency_b1 llama-3-8b _no_pdl --no-decode-pdl && latency_b1 llama-3-8b _pdl --decode-pdl &&
-            latency_b1 mamba-2.8b _no_pdl --no-decode-pdl &&
-            latency_b1 mamba-2.8b _pdl --decode-pdl &&
-            latency_b1 mamba-2.8b _conv --decode-pdl --decode-conv-gemv || return
+        for model in mamba-2.8b llama-3-8b; do
+            latency_b1 $model _no_pdl --no-decode-pdl && latency_b1 $model _pdl --decode-pdl ||
+                return
+        done
         for flag in --no-decode-pdl --decode-pdl; do
             python3 benchmarks/decode_profile.py --model "$configs/mamba2-2.7b" "${dummy[@]}" \
                 --batch-size 1 --context 2048 --profile --top 16 $flag \

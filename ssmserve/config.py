@@ -269,12 +269,6 @@ class EngineConfig:
         "block's first linear (a launch fewer each); off until measured faster at full size "
         "on a GPU (docs/kernels.md)",
     )
-    decode_conv_gemv: bool = _flag(
-        False,
-        "with decode PDL, a Mamba or Mamba2 mixer's in_proj and causal conv update for one "
-        "row in one launch (the GEMV's programs convolve the channels they computed); off "
-        "until measured faster on a GPU (docs/kernels.md)",
-    )
     generation_config: str = _flag(
         "auto",
         "where requests that leave temperature, top_p, top_k, min_p or repetition_penalty "

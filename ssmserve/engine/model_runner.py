@@ -49,21 +49,16 @@ class ModelRunner:
             else getattr(torch, config.mamba_ssm_cache_dtype)
         )
         self.ops = get_ops(config.kernel_backend, device, pdl=config.decode_pdl)
-        for flag in ("decode_fused_gemv", "decode_conv_gemv"):
-            if getattr(config, flag) and not self.ops.pdl:
-                raise RuntimeError(
-                    f"{flag} fuses into the GEMVs of decode with PDL, which is off here (it "
-                    f"runs on sm_90 GPUs with Triton kernels); run without "
-                    f"--{flag.replace('_', '-')}"
-                )
+        if config.decode_fused_gemv and not self.ops.pdl:
+            raise RuntimeError(
+                "decode_fused_gemv fuses into the GEMVs of decode with PDL, which is off "
+                "here (it runs on sm_90 GPUs with Triton kernels); run without "
+                "--decode-fused-gemv"
+            )
         self.model = self._build_model(model_config)
         if self.ops.pdl:
             # The linears of one row (batch-1 decode) chain with the other PDL kernels.
             fused = {"decode_gemv": self.ops.gemv}
-            if config.decode_conv_gemv:
-                # (With both flags, a mixer's in_proj takes the conv update after it rather
-                # than the add and norm before it.)
-                fused["decode_conv_gemv"] = self.ops.conv_gemv
             if config.decode_fused_gemv:
                 fused["decode_norm_gemv"] = self.ops.gated_norm_gemv
                 fused["decode_act_gemv"] = self.ops.act_mul_gemv

@@ -42,7 +42,6 @@ _OPS: dict[str, tuple[str, str]] = {
     "gated_norm_gemv": ("gemv", "gated_norm_gemv"),
     "act_mul_gemv": ("gemv", "act_mul_gemv"),
     "add_norm_gemv": ("gemv", "add_norm_gemv"),
-    "conv_gemv": ("gemv", "conv_gemv"),
 }
 # Ops whose launchers take `pdl` (programmatic dependent launch, `get_ops(pdl=True)`):
 # the Triton kernels of a batch-1 decode step of the dense families. They launch so only
@@ -54,7 +53,6 @@ PDL_OPS = (
     "gated_norm_gemv",
     "act_mul_gemv",
     "add_norm_gemv",
-    "conv_gemv",
     "add_rms_norm",
     "gated_rms_norm",
     "mamba2_decode_update",
@@ -102,7 +100,6 @@ class KernelOps:
     gated_norm_gemv: Callable[..., torch.Tensor]
     act_mul_gemv: Callable[..., torch.Tensor]
     add_norm_gemv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    conv_gemv: Callable[..., torch.Tensor]
     pdl: bool = False
 
 
@@ -183,7 +180,6 @@ def get_ops(backend: str, device: torch.device | str, pdl: bool | None = False) 
         from ssmserve.kernels.gemv import (
             act_mul_gemv_ref,
             add_norm_gemv_ref,
-            conv_gemv_ref,
             gated_norm_gemv_ref,
             gemv_ref,
         )
@@ -197,9 +193,6 @@ def get_ops(backend: str, device: torch.device | str, pdl: bool | None = False) 
         )
         eager["act_mul_gemv"] = functools.partial(act_mul_gemv_ref, act_and_mul=fns["act_and_mul"])
         eager["add_norm_gemv"] = functools.partial(add_norm_gemv_ref, add_norm=fns["add_rms_norm"])
-        eager["conv_gemv"] = functools.partial(
-            conv_gemv_ref, conv_update=fns["causal_conv1d_update"]
-        )
         for field in PDL_OPS:
             fns[field] = _pdl_in_scope(fns[field], eager[field])
     return KernelOps(backend=resolved, pdl=bool(pdl), **fns)

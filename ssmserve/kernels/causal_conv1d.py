@@ -472,12 +472,12 @@ def conv_step(
     SILU: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # One token of the depthwise conv on `channels` of one row (the fused Mamba2 decode
-    # and the in_proj GEMV's conv epilogue: `_conv1d_update_kernel`'s arithmetic in its
-    # order, so its result bit for bit). Returns the output in
-    # float32, rounded to xbc's dtype first (as the unfused conv stores it), the window
-    # shifted by one with the new input appended, and where and under which mask that
-    # new window goes. Loads only: the caller orders the store after every reader.
+    # One token of the depthwise conv on `channels` of one row, for the fused Mamba2
+    # decode: `_conv1d_update_kernel`'s arithmetic in its order, so its result bit for
+    # bit. Returns the output in float32, rounded to xbc's dtype first (as the unfused
+    # conv stores it), the window shifted by one with the new input appended, and where
+    # and under which mask that new window goes. Loads only: the caller orders the store
+    # after every reader.
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < KM1
     mask_ck = mask_c[:, None] & mask_k[None, :] & valid

@@ -18,10 +18,6 @@ runner sets them only with `--decode-fused-gemv`, off until measured faster): th
 kernel computing act(gate) * up as it loads x (`act_mul_gemv`), and a second one whose
 programs normalise the row as they stream it (`gated_norm_gemv`: a Mamba2 mixer's gated
 norm; `add_norm_gemv`: the residual add and RMSNorm before a block's first linear).
-A fourth fuses what comes after one: `conv_gemv`, a mixer's in_proj whose programs then
-apply the causal conv update to the conv channels they computed (each output row is one
-channel, so a program owns its channels' outputs and conv state; the runner sets it with
-`--decode-conv-gemv`, off until measured).
 
 benchmarks/kernels/bench_pdl.py measures them against F.linear in decode-shaped chains.
 """
@@ -53,12 +49,6 @@ from ssmserve.kernels.activation import (
     act_and_mul_ref,
     act_and_mul_triton,
     activate,
-)
-from ssmserve.kernels.causal_conv1d import (
-    _check_activation,
-    _check_conv_args,
-    causal_conv1d_update_ref,
-    conv_step,
 )
 from ssmserve.kernels.gated_rms_norm import (
     _check_add_norm_args,
@@ -188,24 +178,6 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     ACT: tl.constexpr,  # -1: x as it is; else act_and_mul's code, x being gate ++ up
     PDL: tl.constexpr,
-    # The conv epilogue (`conv_gemv`): rows [conv_lo, conv_lo + C) of out are a causal
-    # conv's channels, updated for this one row at slots_ptr[0].
-    slots_ptr=None,
-    conv_state_ptr=None,
-    conv_w_ptr=None,
-    conv_b_ptr=None,
-    conv_lo=0,
-    C=0,
-    stride_cs_slot=0,
-    stride_cs_c=0,
-    stride_cs_k=0,
-    stride_cw_c=0,
-    stride_cw_k=0,
-    CONV: tl.constexpr = False,
-    KM1: tl.constexpr = 1,
-    HAS_CONV_BIAS: tl.constexpr = False,
-    SILU: tl.constexpr = False,
-    BLOCK_KC: tl.constexpr = 1,
 ):
     offs_n, offs_k, rows, w_ptrs, w = _first_weight_tile(
         w_ptr, N, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K, PDL
@@ -227,25 +199,6 @@ def _gemv_kernel(
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows).to(tl.float32)
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
-    if CONV:
-        # This program's conv channels, read back from out (rounded as the unfused conv
-        # reads them) once every thread's store has landed. Only this program touches
-        # their outputs and conv state, so no other program can race it.
-        tl.debug_barrier()
-        slot = tl.load(slots_ptr).to(tl.int64)
-        valid = slot >= 0
-        channels = offs_n - conv_lo
-        mask_c = (channels >= 0) & (channels < C) & (offs_n < N)
-        channels = tl.where(mask_c, channels, 0)
-        u, window, window_ptrs, mask_ck = conv_step(
-            out_ptr + conv_lo, conv_state_ptr + tl.maximum(slot, 0) * stride_cs_slot,
-            conv_w_ptr, conv_b_ptr, channels, mask_c, valid, 1, stride_cs_c, stride_cs_k,
-            stride_cw_c, stride_cw_k, 1, KM1, HAS_CONV_BIAS, SILU, BLOCK_KC,
-        )  # fmt: skip
-        u = tl.where(valid, u, 0.0)  # a padding row's conv output, as the update's
-        tl.debug_barrier()  # every read of out and of the window before the writes
-        tl.store(out_ptr + offs_n, u.to(out_ptr.dtype.element_ty), mask=mask_c)
-        tl.store(window_ptrs, window, mask=mask_ck)
 
 
 def gemv_triton(
@@ -276,10 +229,8 @@ def _launch_gemv(
     act: int,
     pdl: bool,
     config: Mapping[str, Any] | None,
-    **epilogue: Any,
 ) -> torch.Tensor:
-    """`_gemv_kernel` over x (gate ++ up when act >= 0) into out [1, N]; `epilogue` are
-    the kernel's conv epilogue arguments (`conv_gemv_triton`), if any."""
+    """`_gemv_kernel` over x (gate ++ up when act >= 0) into out [1, N]."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
@@ -300,111 +251,10 @@ def _launch_gemv(
         EVEN_K=K % cfg["block_k"] == 0,
         ACT=act,
         PDL=pdl,
-        **epilogue,
         num_warps=cfg["num_warps"],
         **pdl_launch(pdl),
     )
     return out
-
-
-# ------------------------------------------------------------ GEMV + causal conv update
-
-
-def _check_conv_gemv_args(
-    N: int,
-    conv_state: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    conv_lo: int,
-    state_slots: torch.Tensor,
-    activation: str | None,
-) -> tuple[int, int]:
-    _check_activation(activation)
-    check_shape("conv_weight", conv_weight, [None, None])
-    C, Kc = conv_weight.shape
-    if not 0 <= conv_lo <= N - C:
-        raise ValueError(
-            f"conv_gemv: the conv's {C} channels from row {conv_lo} must lie within the "
-            f"linear's {N} outputs"
-        )
-    _check_conv_args(conv_weight.new_empty(1, C), conv_weight, conv_bias, conv_state)
-    check_shape("state_slots", state_slots, [1])
-    return C, Kc
-
-
-def conv_gemv_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    conv_state: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    conv_lo: int,
-    state_slots: torch.Tensor,
-    activation: str | None = "silu",
-    conv_update: Callable[..., torch.Tensor] | None = None,
-    pdl: bool = False,
-) -> torch.Tensor:
-    """A mixer's in_proj for one decode row and the causal conv update after it: the
-    linear (F.linear), then `causal_conv1d_update` on its outputs [conv_lo, conv_lo + C)
-    (the conv's channels, C = conv_weight's rows), which the conv's output replaces; the
-    conv state at state_slots[0] takes the step as the update does. x [1, K], weight
-    [N, K]; returns [1, N]. `conv_update` is the update op to use (default: the PyTorch
-    twin; the eager form of the fused op passes the backend's); `pdl` is the Triton
-    launcher's."""
-    N, _ = _check_gemv_args(x, weight, bias)
-    C, _ = _check_conv_gemv_args(
-        N, conv_state, conv_weight, conv_bias, conv_lo, state_slots, activation
-    )
-    conv_update = conv_update or causal_conv1d_update_ref
-    out = F.linear(x, weight, bias)
-    out[:, conv_lo : conv_lo + C] = conv_update(
-        out[:, conv_lo : conv_lo + C], conv_state, conv_weight, conv_bias,
-        state_slots=state_slots, activation=activation,
-    )  # fmt: skip
-    return out
-
-
-def conv_gemv_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    conv_state: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    conv_lo: int,
-    state_slots: torch.Tensor,
-    activation: str | None = "silu",
-    pdl: bool = False,
-    config: Mapping[str, Any] | None = None,
-) -> torch.Tensor:
-    """`conv_gemv_ref` in one launch: the GEMV's programs apply the conv to the rows
-    they computed (a row of out is one conv channel, so each program owns its channels'
-    outputs and conv state: the unfused update's launch, gone). The conv's results are
-    the update kernel's bit for bit, on the GEMV's outputs."""
-    N, K = _check_gemv_args(x, weight, bias)
-    C, Kc = _check_conv_gemv_args(
-        N, conv_state, conv_weight, conv_bias, conv_lo, state_slots, activation
-    )
-    if K == 0 or weight.stride(1) != 1 or x.stride(1) != 1:
-        return conv_gemv_ref(
-            x, weight, bias, conv_state=conv_state, conv_weight=conv_weight,
-            conv_bias=conv_bias, conv_lo=conv_lo, state_slots=state_slots,
-            activation=activation,
-        )  # fmt: skip
-    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    return _launch_gemv(
-        x, weight, bias, out, K, -1, pdl, config,
-        slots_ptr=state_slots, conv_state_ptr=conv_state, conv_w_ptr=conv_weight,
-        conv_b_ptr=conv_bias, conv_lo=conv_lo, C=C,
-        stride_cs_slot=conv_state.stride(0), stride_cs_c=conv_state.stride(1),
-        stride_cs_k=conv_state.stride(2), stride_cw_c=conv_weight.stride(0),
-        stride_cw_k=conv_weight.stride(1), CONV=True, KM1=Kc - 1,
-        HAS_CONV_BIAS=conv_bias is not None, SILU=activation is not None,
-        BLOCK_KC=next_pow2(Kc - 1),
-    )  # fmt: skip
 
 
 # ------------------------------------------------------------------ act-and-mul + GEMV

@@ -45,12 +45,6 @@ from ssmserve.layers.linear import (
 # decode"). Both give the same result (exactly so through the PyTorch twins).
 FUSED_DECODE_MAX_ROWS = 1
 
-
-def _conv_applied(xbc: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """The conv update where in_proj already applied it (`ConvInProjection`)."""
-    return xbc
-
-
 # HF activation names the conv kernels apply (they implement SiLU).
 CONV_ACTIVATIONS = {"silu": "silu", "swish": "silu"}
 
@@ -90,51 +84,7 @@ class Mamba2Shard:
         return cls(heads, tuple(distinct) if even else tuple(of_head))
 
 
-class ConvInProjection:
-    """A mixer's in_proj with the causal conv update after it, for one decode row: one
-    launch (`conv_gemv`) where the model runner sets `decode_conv_gemv` (decode with
-    PDL), the in_proj GEMV's programs applying the conv to the channels they computed.
-
-    Whoever computes the mixer's in_proj takes it from `in_projection(batch, cache)`;
-    `forward_projected` then skips the conv wherever `conv_in_projection(batch)` says it
-    was applied. The mixer has in_proj, conv1d, activation and `_conv_rows()` (the first
-    conv channel's row of in_proj and the channel count)."""
-
-    decode_conv_gemv: Callable[..., torch.Tensor] | None = None
-
-    def conv_in_projection(self, batch: ForwardBatch) -> bool:
-        """Whether `in_projection(batch, ...)` applies the conv as well."""
-        return (
-            self.decode_conv_gemv is not None
-            and batch.num_decodes == 1
-            and batch.num_tokens == 1
-            and self._conv_rows() is not None
-        )
-
-    def in_projection(self, batch: ForwardBatch, cache: SSMState) -> Callable[..., torch.Tensor]:
-        """in_proj, or for a one-row decode step in_proj and the conv update in one."""
-        if not self.conv_in_projection(batch):
-            return self.in_proj
-        return functools.partial(self._project_and_convolve, cache=cache, batch=batch)
-
-    def _project_and_convolve(
-        self, x: torch.Tensor, cache: SSMState, batch: ForwardBatch
-    ) -> torch.Tensor:
-        lo, channels = self._conv_rows()
-        return self.decode_conv_gemv(
-            x,
-            self.in_proj.weight,
-            self.in_proj.bias,
-            conv_state=cache.conv,
-            conv_weight=self.conv1d.weight.view(channels, -1),
-            conv_bias=self.conv1d.bias,
-            conv_lo=lo,
-            state_slots=batch.state_slots[:1],
-            activation=self.activation,
-        )
-
-
-class Mamba2Mixer(ConvInProjection, nn.Module):
+class Mamba2Mixer(nn.Module):
     """Parameter names follow HF (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj).
 
     Decode sequences (the batch's first `num_decodes`) take the one-token conv and state
@@ -252,21 +202,14 @@ class Mamba2Mixer(ConvInProjection, nn.Module):
             self._A = -torch.exp(self.A_log.float())
         return self._A
 
-    def _conv_rows(self) -> tuple[int, int] | None:
-        # in_proj's rows are z, then the conv's x, B and C; None where in_proj's output is
-        # scaled before the conv (Falcon-H1's multipliers, when not folded into it).
-        if self.in_proj_scale is not None:
-            return None
-        return self.intermediate_size, self.conv_dim
-
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: SSMState) -> torch.Tensor:
-        return self.forward_projected(self.in_projection(batch, cache)(x), batch, cache)
+        return self.forward_projected(self.in_proj(x), batch, cache)
 
     def forward_projected(
         self, zxbcdt: torch.Tensor, batch: ForwardBatch, cache: SSMState
     ) -> torch.Tensor:
-        """The mixer after in_proj: zxbcdt is `in_projection(batch, cache)(x)` (the caller
-        may have computed in_proj fused with the norm before it: `add_norm_gemv`)."""
+        """The mixer after in_proj: zxbcdt is in_proj(x) (the caller may have computed it
+        fused with the norm before it: `add_norm_gemv`)."""
         H, P, N, G = self.num_heads, self.head_dim, self.state_size, self.n_groups
         I = self.intermediate_size  # noqa: E741
         nd = batch.num_decodes
@@ -279,11 +222,7 @@ class Mamba2Mixer(ConvInProjection, nn.Module):
         outs = []
         if nd > 0:
             decode_update = self.ops.mamba2_decode_update
-            if self.conv_in_projection(batch):  # x, B and C are the conv's outputs
-                decode_update = functools.partial(
-                    conv_then_state_update, _conv_applied, self.ops.selective_state_update
-                )
-            elif nd > FUSED_DECODE_MAX_ROWS:
+            if nd > FUSED_DECODE_MAX_ROWS:
                 decode_update = functools.partial(
                     conv_then_state_update,
                     self.ops.causal_conv1d_update,

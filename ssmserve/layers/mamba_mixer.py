@@ -23,7 +23,7 @@ from ssmserve.layers.linear import (
     linear,
     row_sharded_parameter,
 )
-from ssmserve.layers.mamba2_mixer import ConvInProjection, conv_activation
+from ssmserve.layers.mamba2_mixer import conv_activation
 from ssmserve.layers.norm import RMSNorm
 
 # Decode steps of at most this many sequences run dt_proj inside the state update (each
@@ -33,7 +33,7 @@ from ssmserve.layers.norm import RMSNorm
 FUSED_DT_PROJ_MAX_ROWS = 1
 
 
-class MambaMixer(ConvInProjection, nn.Module):
+class MambaMixer(nn.Module):
     """Parameter names follow HF (in_proj, conv1d, x_proj, dt_proj, A_log, D, out_proj).
 
     Tensor parallelism splits the inner channels (any split: channels are independent);
@@ -117,17 +117,14 @@ class MambaMixer(ConvInProjection, nn.Module):
             self._dt_bias = self.dt_proj.bias.float()
         return self._A, self._dt_bias
 
-    def _conv_rows(self) -> tuple[int, int]:
-        return 0, self.intermediate_size  # in_proj's rows: x (the conv's channels), z
-
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: SSMState) -> torch.Tensor:
-        return self.forward_projected(self.in_projection(batch, cache)(x), batch, cache)
+        return self.forward_projected(self.in_proj(x), batch, cache)
 
     def forward_projected(
         self, xz: torch.Tensor, batch: ForwardBatch, cache: SSMState
     ) -> torch.Tensor:
-        """The mixer after in_proj: xz is `in_projection(batch, cache)(x)` (the caller
-        may have computed in_proj fused with the norm before it: `add_norm_gemv`)."""
+        """The mixer after in_proj: xz is in_proj(x) (the caller may have computed it
+        fused with the norm before it: `add_norm_gemv`)."""
         Dm, N = self.intermediate_size, self.state_size
         nd = batch.num_decodes
         xs, z = xz.split([Dm, Dm], dim=-1)
@@ -136,17 +133,14 @@ class MambaMixer(ConvInProjection, nn.Module):
         pieces = []
         if nd > 0:
             slots = batch.state_slots[:nd]
-            if self.conv_in_projection(batch):
-                u = xs[:nd]  # in_proj applied the conv
-            else:
-                u = self.ops.causal_conv1d_update(
-                    xs[:nd],
-                    cache.conv,
-                    conv_weight,
-                    self.conv1d.bias,
-                    state_slots=slots,
-                    activation=self.activation,
-                )
+            u = self.ops.causal_conv1d_update(
+                xs[:nd],
+                cache.conv,
+                conv_weight,
+                self.conv1d.bias,
+                state_slots=slots,
+                activation=self.activation,
+            )
             # One row: dt_proj inside the state update (one launch fewer a layer).
             fuse_dt = nd <= FUSED_DT_PROJ_MAX_ROWS
             dt, B, C = self._ssm_inputs(u, project_dt=not fuse_dt)

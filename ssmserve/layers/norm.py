@@ -46,15 +46,14 @@ class RMSNorm(nn.Module):
         return self(s), s
 
     def add_forward_linear(
-        self, x: torch.Tensor, residual: torch.Tensor, linear: Callable[..., torch.Tensor]
+        self, x: torch.Tensor, residual: torch.Tensor, linear: nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(linear(n), s) for (n, s) = add_forward(x, residual), where `linear` (a
         column-parallel linear: every rank has the whole input) is what the norm's output
         feeds, and only it. One launch for one row with `decode_add_norm_gemv` (its
         roundings are add_forward's kernel's, so one dtype throughout)."""
         fused = self.decode_add_norm_gemv
-        # (Not into a mixer's projection that applies its conv: it has no weight.)
-        if fused is not None and x.shape[0] == 1 and hasattr(linear, "weight"):
+        if fused is not None and x.shape[0] == 1:
             if x.dtype == residual.dtype == self.weight.dtype:
                 return fused(x, residual, self.weight, linear.weight, linear.bias, eps=self.eps)
         h, s = self.add_forward(x, residual)

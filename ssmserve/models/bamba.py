@@ -3,8 +3,6 @@ each followed by a SwiGLU MLP. The per-layer pattern comes from `attn_layer_indi
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from torch import nn
 
 from ssmserve.layers.batch import ForwardBatch
@@ -53,10 +51,8 @@ class BambaDecoderLayer(PreNormBlock):
             return LayerCacheSpec(kv=self.self_attn.cache_spec())
         return LayerCacheSpec(state=self.mamba.cache_spec())
 
-    def input_linear(self, batch: ForwardBatch, cache: LayerCache) -> Callable:
-        if self.kind == "attention":
-            return self.self_attn.qkv_proj
-        return self.mamba.in_projection(batch, cache.state)
+    def input_linear(self) -> nn.Module:
+        return self.self_attn.qkv_proj if self.kind == "attention" else self.mamba.in_proj
 
     def forward_residual_projected(self, projected, hidden, batch: ForwardBatch, cache: LayerCache):
         if self.kind == "attention":

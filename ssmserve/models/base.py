@@ -3,7 +3,6 @@ cache specs, and how checkpoint names map onto its parameters."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,13 +50,11 @@ class PreNormBlock(nn.Module):
         otherwise."""
         return self.input_layernorm
 
-    def input_linear(self, batch: ForwardBatch, cache: LayerCache) -> Callable | None:
+    def input_linear(self) -> nn.Module | None:
         """The column-parallel linear that pre_norm's output feeds, first and only, when the
         block can go on from that linear's output (`forward_residual_projected`): then
         `run_layers` may compute it with the residual add and the norm in one launch
-        (`RMSNorm.add_forward_linear`). A mixer's may be its `in_projection` for the step
-        (in_proj and the conv in one launch), a callable without a weight. None: the
-        block takes the norm's output."""
+        (`RMSNorm.add_forward_linear`). None: the block takes the norm's output."""
         return None
 
     def forward_residual(
@@ -65,8 +62,7 @@ class PreNormBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: pre_norm(hidden). Returns (the last branch's output, the residual stream
         before it is added)."""
-        linear = self.input_linear(batch, cache)
-        return self.forward_residual_projected(linear(x), hidden, batch, cache)
+        return self.forward_residual_projected(self.input_linear()(x), hidden, batch, cache)
 
     def forward_residual_projected(
         self,
@@ -75,7 +71,7 @@ class PreNormBlock(nn.Module):
         batch: ForwardBatch,
         cache: LayerCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward_residual` from input_linear(batch, cache)(x) (blocks with one)."""
+        """`forward_residual` from input_linear()(x) (blocks with an `input_linear`)."""
         raise NotImplementedError
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
@@ -192,8 +188,7 @@ class CausalLM(nn.Module):
                     hidden, out = hidden + out, None
                 hidden = layer(hidden, batch, caches[i])
                 continue
-            norm, cache = layer.pre_norm(), caches[i]
-            linear = layer.input_linear(batch, cache)
+            norm, linear, cache = layer.pre_norm(), layer.input_linear(), caches[i]
             if out is None:
                 out, hidden = layer.forward_residual(norm(hidden), hidden, batch, cache)
             elif linear is None:

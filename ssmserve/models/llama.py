@@ -38,7 +38,7 @@ class LlamaDecoderLayer(PreNormBlock):
     def cache_spec(self) -> LayerCacheSpec:
         return LayerCacheSpec(kv=self.self_attn.cache_spec())
 
-    def input_linear(self, batch: ForwardBatch, cache: LayerCache) -> nn.Module:
+    def input_linear(self) -> nn.Module:
         return self.self_attn.qkv_proj
 
     def forward_residual_projected(self, projected, hidden, batch: ForwardBatch, cache: LayerCache):

@@ -81,11 +81,10 @@ class MambaStyleLM(CausalLM):
         one_row = hidden.shape[0] == 1
         for i in self.stage.layers:
             block = layers[i]
-            norm, in_proj = block.norm, block.mixer.in_projection(batch, caches[i].state)
+            norm, in_proj = block.norm, block.mixer.in_proj
             # Not RMSNorm.add_forward_linear: HF's Mamba rounds the float32 residual to the
             # weights' dtype before the norm, as add_rms_norm and add_norm_gemv do.
-            # (Not where the mixer's projection applies its conv: it has no weight.)
-            fused = norm.decode_add_norm_gemv if one_row and hasattr(in_proj, "weight") else None
+            fused = norm.decode_add_norm_gemv if one_row else None
             if out is None:  # the stage's first block
                 projected = in_proj(norm(hidden.to(norm.weight.dtype)))
                 residual = hidden.float() if block.residual_in_fp32 else hidden

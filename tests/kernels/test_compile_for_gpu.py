@@ -27,7 +27,6 @@ from ssmserve.kernels._common import LazyKernel
 from ssmserve.kernels.gemv import (
     act_mul_gemv_triton,
     add_norm_gemv_triton,
-    conv_gemv_triton,
     gated_norm_gemv_triton,
     gemv_triton,
 )
@@ -97,10 +96,6 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
                 module.decode_act_gemv = act_mul_gemv_triton
             if hasattr(module, "decode_add_norm_gemv"):
                 module.decode_add_norm_gemv = add_norm_gemv_triton
-            # in_proj with the conv after it: FalconMamba's (Granite's one-row decode
-            # keeps the fused Mamba2 decode kernel, as decode without PDL runs it).
-            if family == "falcon_mamba" and hasattr(module, "decode_conv_gemv"):
-                module.decode_conv_gemv = conv_gemv_triton
         llm.generate(prompts[:1], params, use_tqdm=False)  # one row alone
         llm.generate(prompts, params, use_tqdm=False)
         del llm
@@ -116,13 +111,6 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
         kwargs["ACT"] for kernel, _, kwargs in launches.values() if kernel.name == "_gemv_kernel"
     }
     assert acts == {-1, 0}, acts
-    # And the GEMV with the conv update after it.
-    convs = {
-        kwargs.get("CONV", False)
-        for kernel, _, kwargs in launches.values()
-        if kernel.name == "_gemv_kernel"
-    }
-    assert convs == {False, True}, convs
     # RoPE writes the K/V into the cache in its launch.
     rope = {kw["WRITE_KV"] for k, _, kw in launches.values() if k.name == "_rotary_kernel"}
     assert rope == {True}, rope

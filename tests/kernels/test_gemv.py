@@ -207,10 +207,8 @@ def test_bad_arguments_are_refused():
 def test_fused_gemvs_need_decode_pdl():
     from ssmserve import LLM
 
-    for flag in ("decode_fused_gemv", "decode_conv_gemv"):
-        option = "--" + flag.replace("_", "-")
-        with pytest.raises(RuntimeError, match=f"{flag} .*without {option}"):
-            LLM("ssmserve-bamba-tiny", **{flag: True})
+    with pytest.raises(RuntimeError, match="decode_fused_gemv .*without --decode-fused-gemv"):
+        LLM("ssmserve-bamba-tiny", decode_fused_gemv=True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
@@ -240,71 +238,3 @@ def test_pdl_ops_launch_with_pdl_only_inside_pdl_scope():
         op()
     op()
     assert calls == ["eager", ("pdl", True), ("pdl", True), ("pdl", True), "eager"]
-
-
-@requires_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "N, K, lo, C, Kc, conv_bias, activation, slot, config",
-    [
-        (37, 48, 7, 20, 4, True, "silu", 2, None),  # Mamba2's layout: z rows, then xBC
-        (40, 24, 0, 20, 4, False, "silu", 0, {"block_tile": 64}),  # Mamba1's: x first
-        (33, 40, 5, 28, 3, True, None, 1, {"block_tile": 32}),  # masked K, width 3
-        (37, 48, 7, 20, 4, True, "silu", -1, {"block_tile": 64}),  # a padding row
-    ],
-)
-def test_conv_gemv_is_the_gemv_then_the_conv_update(
-    dtype, N, K, lo, C, Kc, conv_bias, activation, slot, config
-):
-    """One launch for in_proj and the conv update after it: bit for bit the two Triton
-    launches apart (the same GEMV tiles, the update's arithmetic), outputs and conv pool;
-    and the twin, which is F.linear then the update's twin, within rounding of it. The
-    rows outside the conv's channels are the plain GEMV's; other slots stay untouched;
-    a padding row leaves the pool and gets zeros, as the update gives it."""
-    from ssmserve.kernels.causal_conv1d import causal_conv1d_update_triton
-    from ssmserve.kernels.gemv import conv_gemv_ref, conv_gemv_triton
-
-    gen = seeded(11)
-    x = randn(1, K, gen=gen, dtype=dtype).to(DEVICE)
-    w = randn(N, K, gen=gen, dtype=dtype, scale=K**-0.5).to(DEVICE)
-    b = randn(N, gen=gen, dtype=dtype).to(DEVICE)
-    pool = randn(3, C, Kc - 1, gen=gen, dtype=dtype).to(DEVICE)
-    cw = randn(C, Kc, gen=gen, dtype=dtype, scale=0.5).to(DEVICE)
-    cb = randn(C, gen=gen, dtype=dtype).to(DEVICE) if conv_bias else None
-    slots = torch.tensor([slot], device=DEVICE)
-    conv = dict(conv_weight=cw, conv_bias=cb, conv_lo=lo, state_slots=slots, activation=activation)
-    pools = [pool.clone() for _ in range(3)]
-    got = conv_gemv_triton(x, w, b, conv_state=pools[0], config=config, **conv)
-    apart = gemv_triton(x, w, b, config=config)
-    apart[:, lo : lo + C] = causal_conv1d_update_triton(
-        apart[:, lo : lo + C].contiguous(), pools[1], cw, cb, state_slots=slots,
-        activation=activation,
-    )  # fmt: skip
-    assert torch.equal(got, apart)
-    assert torch.equal(pools[0], pools[1])
-    twin = conv_gemv_ref(x, w, b, conv_state=pools[2], **conv)
-    assert_close(got, twin, scale=4.0)
-    assert_close(pools[0], pools[2])
-    if slot < 0:
-        assert torch.equal(pools[0], pool)
-        assert torch.equal(got[:, lo : lo + C], torch.zeros_like(got[:, lo : lo + C]))
-    else:
-        others = [s for s in range(3) if s != slot]
-        assert torch.equal(pools[0][others], pool[others])
-        # The window moved on by one: its last column is the linear's output.
-        assert torch.equal(pools[0][slot, :, :-1], pool[slot, :, 1:])
-        assert torch.equal(
-            pools[0][slot, :, -1], gemv_triton(x, w, b, config=config)[0, lo : lo + C]
-        )
-
-
-def test_conv_gemv_refuses_channels_outside_the_linear():
-    from ssmserve.kernels.gemv import conv_gemv_ref
-
-    x, w = torch.zeros(1, 4), torch.zeros(10, 4)
-    conv = dict(
-        conv_state=torch.zeros(2, 6, 3), conv_weight=torch.zeros(6, 4), conv_bias=None,
-        state_slots=torch.tensor([0]),
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="must lie within"):
-        conv_gemv_ref(x, w, conv_lo=5, **conv)
