@@ -453,15 +453,13 @@ def _conv1d_update_kernel(
 
 
 @device_function
-def conv_step(
-    xbc_row_ptr,
+def conv_inputs(
     conv_row_ptr,
     weight_ptr,
     bias_ptr,
     channels,
     mask_c,
     valid,
-    stride_xbc_c,
     stride_cs_c,
     stride_cs_k,
     stride_w_c,
@@ -469,15 +467,12 @@ def conv_step(
     stride_cb,
     KM1: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # One token of the depthwise conv on `channels` of one row, for the fused Mamba2
-    # decode: `_conv1d_update_kernel`'s arithmetic in its order, so its result bit for
-    # bit. Returns the output in float32, rounded to xbc's dtype first (as the unfused
-    # conv stores it), the window shifted by one with the new input appended, and where
-    # and under which mask that new window goes. Loads only: the caller orders the store
-    # after every reader.
+    # What one token of the depthwise conv on `channels` of one row reads besides the new
+    # input: the window, the window shifted by one, the weights (all taps but the last,
+    # then the last) and the bias (zeros without one). No kernel of a decode step writes
+    # them before the conv does, so a kernel may load them before its PDL wait.
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < KM1
     mask_ck = mask_c[:, None] & mask_k[None, :] & valid
@@ -486,22 +481,46 @@ def conv_step(
     shifted = tl.load(
         window_ptrs + stride_cs_k, mask=mask_ck & (offs_k < KM1 - 1)[None, :], other=0.0
     )
-    x = tl.load(xbc_row_ptr + channels * stride_xbc_c, mask=mask_c & valid, other=0.0)
     w = tl.load(
         weight_ptr + channels[:, None] * stride_w_c + offs_k[None, :] * stride_w_k,
         mask=mask_c[:, None] & mask_k[None, :],
         other=0.0,
     )
     w_last = tl.load(weight_ptr + channels * stride_w_c + KM1 * stride_w_k, mask=mask_c, other=0.0)
+    bias = tl.zeros_like(w_last).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + channels * stride_cb, mask=mask_c, other=0.0).to(tl.float32)
+    return window, shifted, w, w_last, bias
+
+
+@device_function
+def conv_apply(
+    x,
+    window,
+    shifted,
+    w,
+    w_last,
+    bias,
+    out_dtype: tl.constexpr,
+    KM1: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # The conv of the new input x over `conv_inputs`' window: `_conv1d_update_kernel`'s
+    # arithmetic in its order, so its result bit for bit. Returns the output in float32,
+    # rounded to out_dtype first (as the unfused conv stores it), and the window shifted
+    # by one with x appended.
+    offs_k = tl.arange(0, BLOCK_K)
     acc = tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=1)
     acc += x.to(tl.float32) * w_last.to(tl.float32)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + channels * stride_cb, mask=mask_c, other=0.0).to(tl.float32)
+        acc += bias
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
-    out = acc.to(xbc_row_ptr.dtype.element_ty).to(tl.float32)
+    out = acc.to(out_dtype).to(tl.float32)
     new_window = tl.where((offs_k == KM1 - 1)[None, :], x.to(shifted.dtype)[:, None], shifted)
-    return out, new_window, window_ptrs, mask_ck
+    return out, new_window
 
 
 def update_block_c(Bt: int, Cd: int, device: torch.device) -> int:

@@ -36,7 +36,7 @@ from ssmserve.kernels._common import (
     pdl_launch,
     tl,
 )
-from ssmserve.kernels.causal_conv1d import causal_conv1d_update_ref, conv_step
+from ssmserve.kernels.causal_conv1d import causal_conv1d_update_ref, conv_apply, conv_inputs
 from ssmserve.kernels.state_update import selective_state_update_ref
 from ssmserve.kernels.stochastic_rounding import (
     ROUNDED_DTYPES,
@@ -302,27 +302,43 @@ def _mamba2_decode_kernel(
         + offs_p[:, None] * stride_ss_p
         + offs_n[None, :] * stride_ss_n
     )
-    if PDL:
-        # Before the wait, what no kernel of the step writes: the slots (the step's
-        # input) and this layer's state, written only by this kernel's launch of the
-        # step before (complete: every step has launches that wait for all before them).
-        gdc_launch_dependents()
-        next_state = tl.load(state_tile + first_head * stride_ss_h, mask=mask_pn, other=0.0)
-        gdc_wait()
     xbc_row = xbc_ptr + row * stride_xbc_b
     conv_row = conv_state_ptr + slot * stride_cs_slot
     x_dim = n_groups * heads_per_group * P
-    b, b_window, b_window_ptrs, b_mask = conv_step(
-        xbc_row, conv_row, conv_weight_ptr, conv_bias_ptr, x_dim + group * N + offs_n, mask_n,
-        valid, stride_xbc_c, stride_cs_c, stride_cs_k, stride_w_c, stride_w_k, stride_cb,
-        KM1, HAS_CONV_BIAS, SILU, BLOCK_K,
+    b_channels = x_dim + group * N + offs_n
+    c_channels = x_dim + (n_groups + group) * N + offs_n
+    x_channels = first_head * P + offs_p
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < KM1
+    conv_args = (stride_cs_c, stride_cs_k, stride_w_c, stride_w_k, stride_cb)
+    if PDL:
+        # Before the wait, what no kernel of the step writes: the slots (the step's
+        # input), the weights, and this layer's conv windows and state, written only by
+        # this kernel's launch of the step before (complete: every step has launches
+        # that wait for all before them). After it, the step's inputs only.
+        gdc_launch_dependents()
+        next_state = tl.load(state_tile + first_head * stride_ss_h, mask=mask_pn, other=0.0)
+    b_in = conv_inputs(
+        conv_row, conv_weight_ptr, conv_bias_ptr, b_channels, mask_n, valid, *conv_args,
+        KM1, HAS_CONV_BIAS, BLOCK_K,
     )  # fmt: skip
-    c, c_window, c_window_ptrs, c_mask = conv_step(
-        xbc_row, conv_row, conv_weight_ptr, conv_bias_ptr,
-        x_dim + (n_groups + group) * N + offs_n, mask_n, valid,
-        stride_xbc_c, stride_cs_c, stride_cs_k, stride_w_c, stride_w_k, stride_cb,
-        KM1, HAS_CONV_BIAS, SILU, BLOCK_K,
+    c_in = conv_inputs(
+        conv_row, conv_weight_ptr, conv_bias_ptr, c_channels, mask_n, valid, *conv_args,
+        KM1, HAS_CONV_BIAS, BLOCK_K,
     )  # fmt: skip
+    # The x conv's inputs are loaded one head ahead, like the state.
+    next_x_in = conv_inputs(
+        conv_row, conv_weight_ptr, conv_bias_ptr, x_channels, mask_p, valid, *conv_args,
+        KM1, HAS_CONV_BIAS, BLOCK_K,
+    )  # fmt: skip
+    if PDL:
+        gdc_wait()
+    b_x = tl.load(xbc_row + b_channels * stride_xbc_c, mask=mask_n & valid, other=0.0)
+    c_x = tl.load(xbc_row + c_channels * stride_xbc_c, mask=mask_n & valid, other=0.0)
+    next_x = tl.load(xbc_row + x_channels * stride_xbc_c, mask=mask_p & valid, other=0.0)
+    out_dtype = xbc_ptr.dtype.element_ty
+    b, b_window = conv_apply(b_x, *b_in, out_dtype, KM1, HAS_CONV_BIAS, SILU, BLOCK_K)
+    c, c_window = conv_apply(c_x, *c_in, out_dtype, KM1, HAS_CONV_BIAS, SILU, BLOCK_K)
 
     # NOTE: the ordering that makes the B/C conv state write safe. Every one of the
     # `arrivals_per_group` programs of (row, group) reads the old B/C window, so only the
@@ -337,8 +353,9 @@ def _mamba2_decode_kernel(
     # exactly `arrivals_per_group` increments, so each launch leaves the buffer all
     # zeros, as the next one (the next layer, a CUDA-graph replay) needs it. Slots are
     # distinct within a launch, as the state writes already require.
-    # The atomic comes before any state load, so its release waits on the small window
-    # loads only, and its round trip is paid once per run of heads, not once per head.
+    # Without PDL the atomic comes before any state load, so its release waits on the
+    # small window loads only, and its round trip is paid once per run of heads, not once
+    # per head.
     # Ordering bugs show deterministically in the interpreter, which runs the programs
     # one after another: a B/C window written early is read shifted by the later programs
     # of the group (y and the state change), and a count that never reaches the last
@@ -348,27 +365,33 @@ def _mamba2_decode_kernel(
     arrived = tl.atomic_add(counter, 1, mask=valid, sem="acq_rel", scope="gpu")
     last = valid & (arrived == arrivals_per_group - 1)
     tl.debug_barrier()
-    tl.store(b_window_ptrs, b_window, mask=b_mask & last)
-    tl.store(c_window_ptrs, c_window, mask=c_mask & last)
+    mask_nk = mask_n[:, None] & mask_k[None, :] & last
+    window_k = offs_k[None, :] * stride_cs_k
+    tl.store(conv_row + b_channels[:, None] * stride_cs_c + window_k, b_window, mask=mask_nk)
+    tl.store(conv_row + c_channels[:, None] * stride_cs_c + window_k, c_window, mask=mask_nk)
     tl.store(counter, 0, mask=last)
 
-    # Each head's state is loaded one head ahead, so a load is in flight while the
-    # previous head computes.
+    # Each head's state and conv inputs are loaded one head ahead, so loads are in
+    # flight while the previous head computes.
     if not PDL:
         next_state = tl.load(state_tile + first_head * stride_ss_h, mask=mask_pn, other=0.0)
     for i in range(heads_per_program):
         head = first_head + i
+        more = i + 1 < heads_per_program
         state = next_state.to(tl.float32)
-        next_state = tl.load(
-            state_tile + (head + 1) * stride_ss_h,
-            mask=mask_pn & (i + 1 < heads_per_program),
-            other=0.0,
-        )
-        x, x_window, x_window_ptrs, x_mask = conv_step(
-            xbc_row, conv_row, conv_weight_ptr, conv_bias_ptr, head * P + offs_p, mask_p,
-            valid, stride_xbc_c, stride_cs_c, stride_cs_k, stride_w_c, stride_w_k, stride_cb,
-            KM1, HAS_CONV_BIAS, SILU, BLOCK_K,
+        next_state = tl.load(state_tile + (head + 1) * stride_ss_h, mask=mask_pn & more, other=0.0)
+        x, x_window = conv_apply(
+            next_x, *next_x_in, out_dtype, KM1, HAS_CONV_BIAS, SILU, BLOCK_K
         )  # fmt: skip
+        x_channels = head * P + offs_p
+        next_channels = x_channels + P
+        next_x_in = conv_inputs(
+            conv_row, conv_weight_ptr, conv_bias_ptr, next_channels, mask_p & more, valid,
+            *conv_args, KM1, HAS_CONV_BIAS, BLOCK_K,
+        )  # fmt: skip
+        next_x = tl.load(
+            xbc_row + next_channels * stride_xbc_c, mask=mask_p & more & valid, other=0.0
+        )
 
         # The state update on the conv outputs in registers (per-head dt, A, D, dt_bias).
         dt = tl.load(dt_ptr + row * stride_dt_b + head * stride_dt_h).to(tl.float32)
@@ -406,7 +429,8 @@ def _mamba2_decode_kernel(
         # threads hold other parts of the window than they store: every thread's read
         # must land before any thread's write.
         tl.debug_barrier()
-        tl.store(x_window_ptrs, x_window, mask=x_mask)
+        mask_pk = mask_p[:, None] & mask_k[None, :] & valid
+        tl.store(conv_row + x_channels[:, None] * stride_cs_c + window_k, x_window, mask=mask_pk)
 
 
 def decode_update_launch_config(

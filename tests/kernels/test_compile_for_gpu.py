@@ -140,6 +140,12 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
         for kernel, args, kwargs in launches.values()
         if kwargs.get("PDL") is False
     ]
+    # And the decode attention that reads its first key tile before the wait.
+    pdl_variants += [
+        (kernel, args, {**kwargs, "PREFETCH": True})
+        for kernel, args, kwargs in pdl_variants
+        if kernel.name == "_paged_attention_kernel" and not kwargs["SEARCH_SEQS"]
+    ]
     pdl_names = {kernel.name for kernel, _, _ in pdl_variants}
     assert {
         "_gemv_kernel",
