@@ -13,7 +13,7 @@
 # Rough wall times on one H200, model loading included (2026-12):
 #
 #   tests        GPU kernel, model and CUDA-graph tests (a call of its own)      ~5 min
-#   quick        the GPU tests of the newest paths: GEMVs (fused ones too), norms at model
+#   quick        the GPU tests of the newest paths: the GEMV, norms at model
 #                widths, PDL, conv and state updates, RoPE, cuDNN merge      ~3 min
 #   ceilings     the card's device-copy bandwidth and bf16 GEMM rate (the floors' peaks) ~1 min
 #   kernels      state update (Mamba1 regrouped and Mamba2) and MoE launch sizes ~3 min

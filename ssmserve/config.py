@@ -262,13 +262,6 @@ class EngineConfig:
         "GEMV (default: on where it can run, an sm_90 GPU with Triton kernels; "
         "docs/kernels.md)",
     )
-    decode_fused_gemv: bool = _flag(
-        False,
-        "with decode PDL, fuse into the one-row GEMVs what comes before them: a Mamba2 "
-        "mixer's gated norm, a gated MLP's activation, the residual add and norm before a "
-        "block's first linear (a launch fewer each); off until measured faster at full size "
-        "on a GPU (docs/kernels.md)",
-    )
     generation_config: str = _flag(
         "auto",
         "where requests that leave temperature, top_p, top_k, min_p or repetition_penalty "

@@ -26,8 +26,6 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     ),
     "bamba_ngroups": ("bamba", dict(mamba_n_groups=2, mamba_d_state=10)),
     "mamba2": ("mamba2", {}),
-    # A width of 16s: the one-row fused linears run their kernels (40 runs the two ops).
-    "mamba_w48": ("mamba", dict(hidden_size=48)),
     "mamba2_ngroups_odd": (
         "mamba2",
         dict(

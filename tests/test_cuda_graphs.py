@@ -34,19 +34,16 @@ def test_graph_decode_equals_eager_decode(checkpoint, variant):
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
     reason="programmatic dependent launch needs an sm_90 GPU",
 )
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("variant", ["mamba2", "bamba", "llama", "mamba_w48"])
-def test_pdl_graph_decode_equals_plain_graph_decode(checkpoint, variant, fused):
+@pytest.mark.parametrize("variant", ["mamba2", "bamba", "llama", "mamba"])
+def test_pdl_graph_decode_equals_plain_graph_decode(checkpoint, variant):
     """Decode with PDL (the default on sm_90: one-row linears through the GEMV, the
-    kernels launched with programmatic dependent launch, captured in CUDA graphs), and
-    with the norms and activations fused into the GEMVs (`decode_fused_gemv`), gives the
-    tokens of the plain graphs, one sequence at a time and five together."""
+    kernels launched with programmatic dependent launch, captured in CUDA graphs) gives
+    the tokens of the plain graphs, one sequence at a time and five together."""
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 7, 30, 12, 5)]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=0)
     kwargs = dict(device="cuda", dtype="float32", max_num_seqs=8, cache_memory=2**28)
     plain = LLM(checkpoint(variant), decode_pdl=False, **kwargs)
-    # PDL: the default, on where it can run.
-    pdl = LLM(checkpoint(variant), decode_fused_gemv=fused, **kwargs)
+    pdl = LLM(checkpoint(variant), **kwargs)  # the default: on where it can run
     assert pdl.llm_engine.executor.runner.ops.pdl
     assert not plain.llm_engine.executor.runner.ops.pdl
     for batch in ([[p] for p in prompts[:2]], [prompts]):

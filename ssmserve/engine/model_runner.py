@@ -49,24 +49,12 @@ class ModelRunner:
             else getattr(torch, config.mamba_ssm_cache_dtype)
         )
         self.ops = get_ops(config.kernel_backend, device, pdl=config.decode_pdl)
-        if config.decode_fused_gemv and not self.ops.pdl:
-            raise RuntimeError(
-                "decode_fused_gemv fuses into the GEMVs of decode with PDL, which is off "
-                "here (it runs on sm_90 GPUs with Triton kernels); run without "
-                "--decode-fused-gemv"
-            )
         self.model = self._build_model(model_config)
         if self.ops.pdl:
             # The linears of one row (batch-1 decode) chain with the other PDL kernels.
-            fused = {"decode_gemv": self.ops.gemv}
-            if config.decode_fused_gemv:
-                fused["decode_norm_gemv"] = self.ops.gated_norm_gemv
-                fused["decode_act_gemv"] = self.ops.act_mul_gemv
-                fused["decode_add_norm_gemv"] = self.ops.add_norm_gemv
             for module in self.model.modules():
-                for attr, op in fused.items():
-                    if hasattr(module, attr):
-                        setattr(module, attr, op)
+                if hasattr(module, "decode_gemv"):
+                    module.decode_gemv = self.ops.gemv
         self.cache_specs = self.model.cache_specs()
         self.rounding_seeds = self._rounding_seeds()
         self.caches: list[LayerCache] = []

@@ -39,9 +39,6 @@ _OPS: dict[str, tuple[str, str]] = {
     "moe_route": ("moe", "moe_route"),
     "fused_moe": ("moe", "fused_moe"),
     "gemv": ("gemv", "gemv"),
-    "gated_norm_gemv": ("gemv", "gated_norm_gemv"),
-    "act_mul_gemv": ("gemv", "act_mul_gemv"),
-    "add_norm_gemv": ("gemv", "add_norm_gemv"),
 }
 # Ops whose launchers take `pdl` (programmatic dependent launch, `get_ops(pdl=True)`):
 # the Triton kernels of a batch-1 decode step of the dense families. They launch so only
@@ -50,9 +47,6 @@ _OPS: dict[str, tuple[str, str]] = {
 # 87.7 ms on an H100 (docs/kernels.md); eagerly the one-row linears run F.linear.
 PDL_OPS = (
     "gemv",
-    "gated_norm_gemv",
-    "act_mul_gemv",
-    "add_norm_gemv",
     "add_rms_norm",
     "gated_rms_norm",
     "mamba2_decode_update",
@@ -97,9 +91,6 @@ class KernelOps:
     moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_moe: Callable[..., torch.Tensor]
     gemv: Callable[..., torch.Tensor]
-    gated_norm_gemv: Callable[..., torch.Tensor]
-    act_mul_gemv: Callable[..., torch.Tensor]
-    add_norm_gemv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     pdl: bool = False
 
 
@@ -177,24 +168,13 @@ def get_ops(backend: str, device: torch.device | str, pdl: bool | None = False) 
         elif reason is not None:
             raise RuntimeError(f"decode_pdl: {reason}; run without --decode-pdl")
     if pdl:
-        from ssmserve.kernels.gemv import (
-            act_mul_gemv_ref,
-            add_norm_gemv_ref,
-            gated_norm_gemv_ref,
-            gemv_ref,
-        )
+        from ssmserve.kernels.gemv import gemv_ref
 
-        # Eagerly, one-row linears stay with cuBLAS (F.linear), after the backend's own
-        # norms or act-and-mul: the GEMV pays off only chained with PDL.
-        eager = dict(fns)
-        eager["gemv"] = gemv_ref
-        eager["gated_norm_gemv"] = functools.partial(
-            gated_norm_gemv_ref, norm=fns["gated_rms_norm"]
-        )
-        eager["act_mul_gemv"] = functools.partial(act_mul_gemv_ref, act_and_mul=fns["act_and_mul"])
-        eager["add_norm_gemv"] = functools.partial(add_norm_gemv_ref, add_norm=fns["add_rms_norm"])
         for field in PDL_OPS:
-            fns[field] = _pdl_in_scope(fns[field], eager[field])
+            # Eagerly, one-row linears stay with cuBLAS (F.linear): the GEMV pays off
+            # only chained with PDL.
+            eager = gemv_ref if field == "gemv" else fns[field]
+            fns[field] = _pdl_in_scope(fns[field], eager)
     return KernelOps(backend=resolved, pdl=bool(pdl), **fns)
 
 

@@ -92,17 +92,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """`qkv_delta` (this rank's q/k/v columns, as qkv_proj gives them) is added to the
         projection before RoPE: a per-use adapter's output (Zamba2's LoRA)."""
+        num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         if qkv_delta is not None:
             qkv = qkv + qkv_delta
-        return self.forward_projected(qkv, batch, cache)
-
-    def forward_projected(
-        self, qkv: torch.Tensor, batch: ForwardBatch, cache: KVCache
-    ) -> torch.Tensor:
-        """The attention after qkv_proj: qkv is qkv_proj(x) (the caller may have computed
-        it fused with the norm before it: `RMSNorm.add_forward_linear`)."""
-        num_tokens = qkv.shape[0]
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)

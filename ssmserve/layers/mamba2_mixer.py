@@ -12,7 +12,7 @@ Falcon-H1 checkpoints) the scan output is only gated by silu(z).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -93,12 +93,7 @@ class Mamba2Mixer(nn.Module):
     `has_initial_state`. States are read and written by slot, in place; the batch's
     snapshots (prefix caching) also write conv and SSM states at chunk boundaries into
     checkpoint rows.
-
-    `decode_norm_gemv`, where the model runner sets one (decode with PDL), takes a row's
-    gated norm and out_proj in one launch (`gated_norm_gemv`) on one GPU.
     """
-
-    decode_norm_gemv: Callable[..., torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -203,17 +198,10 @@ class Mamba2Mixer(nn.Module):
         return self._A
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: SSMState) -> torch.Tensor:
-        return self.forward_projected(self.in_proj(x), batch, cache)
-
-    def forward_projected(
-        self, zxbcdt: torch.Tensor, batch: ForwardBatch, cache: SSMState
-    ) -> torch.Tensor:
-        """The mixer after in_proj: zxbcdt is in_proj(x) (the caller may have computed it
-        fused with the norm before it: `add_norm_gemv`)."""
         H, P, N, G = self.num_heads, self.head_dim, self.state_size, self.n_groups
         I = self.intermediate_size  # noqa: E741
         nd = batch.num_decodes
-        dtype = zxbcdt.dtype
+        zxbcdt = self.in_proj(x)
         if self.in_proj_scale is not None:
             zxbcdt = zxbcdt * self.in_proj_scale
         z, xbc, dt = zxbcdt.split([I, self.conv_dim, H], dim=-1)
@@ -246,7 +234,7 @@ class Mamba2Mixer(nn.Module):
                 **decode_rounding(batch, cache),
             )
             outs.append(y_d.reshape(nd, I))
-        num_prefill_tokens = zxbcdt.shape[0] - nd
+        num_prefill_tokens = x.shape[0] - nd
         if num_prefill_tokens > 0:
             slots = batch.state_slots[nd:]
             has_init = batch.has_initial_state[nd:]
@@ -288,27 +276,21 @@ class Mamba2Mixer(nn.Module):
                 ).reshape(num_prefill_tokens, I)
             )
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
-        fused = self.decode_norm_gemv
-        if fused is not None and y.shape[0] == 1 and self.norm is not None:
-            if self.norm_local and self.tp.size == 1:
-                out = self.out_proj
-                return fused(y, z, self.norm.weight, out.weight, out.bias, **self._norm_args())
-        return self.out_proj(self._gated_norm(y, z).to(dtype))
-
-    def _norm_args(self) -> dict:
-        """The gated norm's options when each rank normalises its own groups."""
-        group = self.norm_group_size
-        return dict(
-            eps=self.norm_eps,
-            group_size=None if group == self.intermediate_size else group,
-            norm_before_gate=self.norm_before_gate,
-        )
+        return self.out_proj(self._gated_norm(y, z).to(x.dtype))
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         if self.norm is None:
             return y * F.silu(z)
         if self.norm_local:
-            return self.ops.gated_rms_norm(y, self.norm.weight, z, **self._norm_args())
+            group = self.norm_group_size
+            return self.ops.gated_rms_norm(
+                y,
+                self.norm.weight,
+                z,
+                eps=self.norm_eps,
+                group_size=None if group == self.intermediate_size else group,
+                norm_before_gate=self.norm_before_gate,
+            )
         # A normalisation group spans ranks: sum each group's squares over the ranks.
         gate = F.silu(z.float())
         h = y.float() if self.norm_before_gate else y.float() * gate

@@ -118,16 +118,9 @@ class MambaMixer(nn.Module):
         return self._A, self._dt_bias
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: SSMState) -> torch.Tensor:
-        return self.forward_projected(self.in_proj(x), batch, cache)
-
-    def forward_projected(
-        self, xz: torch.Tensor, batch: ForwardBatch, cache: SSMState
-    ) -> torch.Tensor:
-        """The mixer after in_proj: xz is in_proj(x) (the caller may have computed it
-        fused with the norm before it: `add_norm_gemv`)."""
         Dm, N = self.intermediate_size, self.state_size
         nd = batch.num_decodes
-        xs, z = xz.split([Dm, Dm], dim=-1)
+        xs, z = self.in_proj(x).split([Dm, Dm], dim=-1)
         conv_weight = self.conv1d.weight.view(Dm, self.conv_kernel)
         A, dt_bias = self._decay_rates()
         pieces = []
@@ -160,7 +153,7 @@ class MambaMixer(nn.Module):
                 **decode_rounding(batch, cache),
             )
             pieces.append(y.view(nd, Dm))
-        if xz.shape[0] > nd:
+        if x.shape[0] > nd:
             slots = batch.state_slots[nd:]
             has_init = batch.has_initial_state[nd:]
             cu = batch.query_start_loc_p
@@ -198,7 +191,7 @@ class MambaMixer(nn.Module):
                 )
             )
         y = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
-        return self.out_proj(y.to(xz.dtype))
+        return self.out_proj(y.to(x.dtype))
 
     def _ssm_inputs(
         self, u: torch.Tensor, project_dt: bool = True

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
@@ -16,12 +14,7 @@ from ssmserve.layers.linear import ColumnParallelLinear, RowParallelLinear, Segm
 
 class GatedMLP(nn.Module):
     """gate and up fused in one column-parallel matrix (shards 0 and 1), down row-parallel
-    (`reduce_results=False`: this rank's partial sum, see RowParallelLinear).
-
-    `decode_act_gemv`, where the model runner sets one (decode with PDL), takes one row's
-    act-and-mul and down projection in one launch (`act_mul_gemv`), on one GPU."""
-
-    decode_act_gemv: Callable[..., torch.Tensor] | None = None
+    (`reduce_results=False`: this rank's partial sum, see RowParallelLinear)."""
 
     def __init__(
         self,
@@ -56,16 +49,8 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if gate_up_delta is not None:
             gate_up = gate_up + gate_up_delta
-        return self.forward_projected(gate_up)
-
-    def forward_projected(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP after gate_up_proj: gate_up is gate_up_proj(x) (the caller may have
-        computed it fused with the norm before it: `RMSNorm.add_forward_linear`)."""
         if self.fused_act is not None:
-            fused, down = self.decode_act_gemv, self.down_proj
-            if fused is not None and gate_up.shape[0] == 1 and down.tp.size == 1:
-                return fused(gate_up, down.weight, down.bias, act=self.act_name)
-            return down(self.fused_act(gate_up, act=self.act_name))
+            return self.down_proj(self.fused_act(gate_up, act=self.act_name))
         gate, up = gate_up.split(self.gate_up_proj.output_sizes, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

@@ -51,17 +51,13 @@ class BambaDecoderLayer(PreNormBlock):
             return LayerCacheSpec(kv=self.self_attn.cache_spec())
         return LayerCacheSpec(state=self.mamba.cache_spec())
 
-    def input_linear(self) -> nn.Module:
-        return self.self_attn.qkv_proj if self.kind == "attention" else self.mamba.in_proj
-
-    def forward_residual_projected(self, projected, hidden, batch: ForwardBatch, cache: LayerCache):
+    def forward_residual(self, x, hidden, batch: ForwardBatch, cache: LayerCache):
         if self.kind == "attention":
-            out = self.self_attn.forward_projected(projected, batch, cache.kv)
+            out = self.self_attn(x, batch, cache.kv)
         else:
-            out = self.mamba.forward_projected(projected, batch, cache.state)
-        mlp = self.feed_forward
-        gate_up, hidden = self.pre_ff_layernorm.add_forward_linear(out, hidden, mlp.gate_up_proj)
-        return mlp.forward_projected(gate_up), hidden
+            out = self.mamba(x, batch, cache.state)
+        x, hidden = self.pre_ff_layernorm.add_forward(out, hidden)
+        return self.feed_forward(x), hidden
 
 
 class BambaForCausalLM(CausalLM):

@@ -50,28 +50,11 @@ class PreNormBlock(nn.Module):
         otherwise."""
         return self.input_layernorm
 
-    def input_linear(self) -> nn.Module | None:
-        """The column-parallel linear that pre_norm's output feeds, first and only, when the
-        block can go on from that linear's output (`forward_residual_projected`): then
-        `run_layers` may compute it with the residual add and the norm in one launch
-        (`RMSNorm.add_forward_linear`). None: the block takes the norm's output."""
-        return None
-
     def forward_residual(
         self, x: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: pre_norm(hidden). Returns (the last branch's output, the residual stream
         before it is added)."""
-        return self.forward_residual_projected(self.input_linear()(x), hidden, batch, cache)
-
-    def forward_residual_projected(
-        self,
-        projected: torch.Tensor,
-        hidden: torch.Tensor,
-        batch: ForwardBatch,
-        cache: LayerCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward_residual` from input_linear()(x) (blocks with an `input_linear`)."""
         raise NotImplementedError
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
@@ -177,8 +160,7 @@ class CausalLM(nn.Module):
         self, hidden: torch.Tensor, batch: ForwardBatch, caches: list[LayerCache]
     ) -> torch.Tensor:
         """This stage's decoder blocks over `hidden`, in order; a PreNormBlock's last
-        residual add is fused into the next PreNormBlock's norm, and where that block has
-        an `input_linear`, into the linear after it as well (`add_forward_linear`)."""
+        residual add is fused into the next PreNormBlock's norm."""
         layers = self.decoder_layers()
         out = None  # the last block's branch output, not yet added to `hidden`
         for i in self.stage.layers:
@@ -188,15 +170,11 @@ class CausalLM(nn.Module):
                     hidden, out = hidden + out, None
                 hidden = layer(hidden, batch, caches[i])
                 continue
-            norm, linear, cache = layer.pre_norm(), layer.input_linear(), caches[i]
             if out is None:
-                out, hidden = layer.forward_residual(norm(hidden), hidden, batch, cache)
-            elif linear is None:
-                x, hidden = norm.add_forward(out, hidden)
-                out, hidden = layer.forward_residual(x, hidden, batch, cache)
+                x = layer.pre_norm()(hidden)
             else:
-                projected, hidden = norm.add_forward_linear(out, hidden, linear)
-                out, hidden = layer.forward_residual_projected(projected, hidden, batch, cache)
+                x, hidden = layer.pre_norm().add_forward(out, hidden)
+            out, hidden = layer.forward_residual(x, hidden, batch, caches[i])
         return hidden if out is None else hidden + out
 
     def intermediate_spec(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -38,14 +38,10 @@ class LlamaDecoderLayer(PreNormBlock):
     def cache_spec(self) -> LayerCacheSpec:
         return LayerCacheSpec(kv=self.self_attn.cache_spec())
 
-    def input_linear(self) -> nn.Module:
-        return self.self_attn.qkv_proj
-
-    def forward_residual_projected(self, projected, hidden, batch: ForwardBatch, cache: LayerCache):
-        out = self.self_attn.forward_projected(projected, batch, cache.kv)
-        norm, mlp = self.post_attention_layernorm, self.mlp
-        gate_up, hidden = norm.add_forward_linear(out, hidden, mlp.gate_up_proj)
-        return mlp.forward_projected(gate_up), hidden
+    def forward_residual(self, x, hidden, batch: ForwardBatch, cache: LayerCache):
+        out = self.self_attn(x, batch, cache.kv)
+        x, hidden = self.post_attention_layernorm.add_forward(out, hidden)
+        return self.mlp(x), hidden
 
 
 class LlamaForCausalLM(CausalLM):

@@ -74,28 +74,19 @@ class MambaStyleLM(CausalLM):
         """The blocks as HF runs them, each adding the residual (in float32 when
         residual_in_fp32) and feeding the sum on, with the same roundings; each add is
         fused into the next block's norm (`add_rms_norm`: one kernel for the add, the
-        cast and the norm), and for one row with the norm's `decode_add_norm_gemv` into
-        the next mixer's in_proj as well."""
+        cast and the norm)."""
         layers = self.decoder_layers()
         residual, out = hidden, None
-        one_row = hidden.shape[0] == 1
         for i in self.stage.layers:
             block = layers[i]
-            norm, in_proj = block.norm, block.mixer.in_proj
-            # Not RMSNorm.add_forward_linear: HF's Mamba rounds the float32 residual to the
-            # weights' dtype before the norm, as add_rms_norm and add_norm_gemv do.
-            fused = norm.decode_add_norm_gemv if one_row else None
             if out is None:  # the stage's first block
-                projected = in_proj(norm(hidden.to(norm.weight.dtype)))
+                x = block.norm(hidden.to(block.norm.weight.dtype))
                 residual = hidden.float() if block.residual_in_fp32 else hidden
-            elif fused is not None:
-                projected, residual = fused(
-                    out, residual, norm.weight, in_proj.weight, in_proj.bias, eps=norm.eps
-                )
             else:
-                x, residual = self.ctx.ops.add_rms_norm(out, residual, norm.weight, eps=norm.eps)
-                projected = in_proj(x)
-            out = block.mixer.forward_projected(projected, batch, caches[i].state)
+                x, residual = self.ctx.ops.add_rms_norm(
+                    out, residual, block.norm.weight, eps=block.norm.eps
+                )
+            out = block.mixer(x, batch, caches[i].state)
         return residual + out if out is not None else residual
 
     @property
