@@ -636,10 +636,18 @@ def decode_launch_config(
         context the block tables can hold. Only host numbers decide it, so one CUDA graph
         serves every context length up to that.
     prefetch: read each split's first key tile before waiting for the kernel before
-        (with PDL; all but the step's own keys, which that kernel writes).
-    num_warps, num_stages: Triton launch options. At batch 64, 4k context on the H200,
-        4 warps and 2 stages took 0.288 ms against 0.319 ms with 1 stage and 0.391 ms
-        with 8 warps (benchmarks/results/paged_attention_2026-11-30_h200.json, sweep rows).
+        (with PDL; all but the step's own keys, which that kernel writes). On where a
+        split has at most two tiles: at batch 1 after a 2k prompt (32 splits of one or
+        two) a chain of 16 launches with PDL took 12.9 µs a launch against 14.1 on the
+        H100, and Llama-3-8B's token 5.74 ms against 5.82; with eight tiles a split
+        (batch 1 at 32k, batch 8 at 4k) the held tile cost more than it hid (70.9
+        against 56.2 µs, 70.0 against 63.4).
+    num_warps, num_stages: Triton launch options. One stage where a split has at most
+        eight tiles (the same sweep: 10.5 against 12.9 µs at batch 1 and 2k, 54.8
+        against 57.4 at 32k, 54.7 against 57.2 at batch 8 and 4k), two beyond (batch 64
+        at 4k, one split of 64 tiles: 0.450 ms against 0.501 with one stage; on the
+        H200 0.288 against 0.319, benchmarks/results/paged_attention_2026-11-30_h200.json).
+        The splits are set by the host's numbers, so these are too.
     """
     block_m = max(16, next_pow2(heads_per_kv))
     block_n = 64 if block_m * max(16, next_pow2(Dh)) <= 16 * 128 else 32
@@ -647,13 +655,14 @@ def decode_launch_config(
     sms = num_sms(device) if device.type == "cuda" else 2
     num_splits = max(1, 4 * sms // max(1, num_seqs * KVH))
     num_splits = min(num_splits, _MAX_SPLITS, max(1, -(-max_context // (2 * block_n))))
+    split_tiles = -(-max_context // (block_n * num_splits))  # at the longest context
     default = {
         "block_m": block_m,
         "block_n": block_n,
         "num_splits": num_splits,
         "num_warps": 4,
-        "num_stages": 2,
-        "prefetch": False,
+        "num_stages": 1 if split_tiles <= 8 else 2,
+        "prefetch": split_tiles <= 2,
     }
     return _checked_rows("decode", launch_config("paged_attention", default, config), heads_per_kv)
 
