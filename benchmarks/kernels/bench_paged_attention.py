@@ -327,15 +327,12 @@ def sweep_decode() -> None:
         {"num_splits": 32},
         {"num_splits": 64},
         {"block_n": 32, "num_splits": 64},
+        {"block_n": 32, "num_splits": 4},
+        {"block_n": 32, "num_warps": 8},
     ]
     # With PDL (as decode graphs launch it on sm_90), each call waits for the one before;
     # prefetch reads the first key tile before that wait.
-    pdl_variants = [
-        {},
-        {"prefetch": True},
-        {"num_splits": 16},
-        {"num_splits": 16, "prefetch": True},
-    ]
+    pdl_variants = [{}, {"prefetch": True}, {"prefetch": False}, {"num_stages": 2}]
     pdl = DEV.type == "cuda" and pdl_unavailable_reason(DEV) is None
     for batch, ctx in points:
         b = make_batch([ctx - 1] * batch, [1] * batch)
