@@ -436,6 +436,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
+    MASK_SKIP: tl.constexpr,
 ):
     # PREFETCH (decode; pays with PDL): the split's first key tile is read before the
     # wait. A kernel of this step (RoPE's cache write) writes only the sequence's last
@@ -529,9 +530,10 @@ def _paged_attention_kernel(
         )  # fmt: skip
         loop_lo = kv_lo + BLOCK_N
     # Tiles every query of the program sees whole (all keys before its first query, none
-    # past kv_hi) need no mask: only the last few tiles, on the diagonal, do.
-    if HAS_WINDOW:
-        full_hi = kv_lo
+    # past kv_hi) need no mask: only the last few tiles, on the diagonal, do. Without
+    # MASK_SKIP every tile is masked, in one loop.
+    if HAS_WINDOW or not MASK_SKIP:
+        full_hi = loop_lo
     else:
         first_q_pos = seq_len - q_len + m_block * BLOCK_Q
         visible = tl.minimum(kv_hi, first_q_pos + 1) - kv_lo
@@ -648,6 +650,8 @@ def decode_launch_config(
         at 4k, one split of 64 tiles: 0.450 ms against 0.501 with one stage; on the
         H200 0.288 against 0.319, benchmarks/results/paged_attention_2026-11-30_h200.json).
         The splits are set by the host's numbers, so these are too.
+    mask_skip: the whole tiles without masks, then the masked ones (two loops); without,
+        every tile masked in one loop.
     """
     block_m = max(16, next_pow2(heads_per_kv))
     block_n = 64 if block_m * max(16, next_pow2(Dh)) <= 16 * 128 else 32
@@ -663,6 +667,7 @@ def decode_launch_config(
         "num_warps": 4,
         "num_stages": 1 if split_tiles <= 8 else 2,
         "prefetch": split_tiles <= 2,
+        "mask_skip": True,
     }
     return _checked_rows("decode", launch_config("paged_attention", default, config), heads_per_kv)
 
@@ -792,6 +797,7 @@ def paged_attention_triton(
             **meta,
             PDL=pdl,
             PREFETCH=cfg["prefetch"],
+            MASK_SKIP=cfg["mask_skip"],
             **pdl_launch(pdl),
         )
         if splits > 1:
@@ -837,6 +843,7 @@ def paged_attention_triton(
             **meta,
             PDL=pdl,
             PREFETCH=False,
+            MASK_SKIP=True,
             **pdl_launch(pdl),
         )
     return out

@@ -115,11 +115,13 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
         for kernel, args, kwargs in launches.values()
         if kwargs.get("PDL") is False
     ]
-    # And the decode attention that reads its first key tile before the wait.
+    # And the decode attention that reads its first key tile before the wait, or masks
+    # every tile in one loop.
     pdl_variants += [
-        (kernel, args, {**kwargs, "PREFETCH": True})
+        (kernel, args, {**kwargs, **option})
         for kernel, args, kwargs in pdl_variants
         if kernel.name == "_paged_attention_kernel" and not kwargs["SEARCH_SEQS"]
+        for option in ({"PREFETCH": True}, {"MASK_SKIP": False})
     ]
     pdl_names = {kernel.name for kernel, _, _ in pdl_variants}
     assert {

@@ -120,12 +120,12 @@ def test_paged_attention_mixed_batch_matches_twin(H, KVH, Dh, dtype, sliding_win
 @pytest.mark.filterwarnings("error::RuntimeWarning")
 @pytest.mark.parametrize("num_splits,block_n", [(1, 16), (3, 16), (8, 64)])
 @pytest.mark.parametrize("sliding_window", [None, 21])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_paged_attention_decode_splits_match_twin(num_splits, block_n, sliding_window, prefetch):
+@pytest.mark.parametrize("options", [{}, {"prefetch": True}, {"mask_skip": False}])
+def test_paged_attention_decode_splits_match_twin(num_splits, block_n, sliding_window, options):
     # ragged contexts at the engine's block size; 100 tokens is 7 tiles of 16, so with 3
     # splits of 3 tiles the last split is short, and 1-token contexts leave splits empty
     # prefetch: each split's first tile read apart, its last token (the step's own, which
-    # RoPE writes under PDL) after the rest.
+    # RoPE writes under PDL) after the rest; without mask_skip every tile is masked.
     cfg = dict(block_m=16, block_n=block_n, num_splits=num_splits, num_warps=4, num_stages=2)
     (q, kc, vc), kw = attention_case(
         8, 2, 8, torch.float32, block_size=16, decode_ctx=[0, 15, 16, 99, 63], prefills=False
@@ -135,15 +135,14 @@ def test_paged_attention_decode_splits_match_twin(num_splits, block_n, sliding_w
     # read scratch the kernel never wrote would raise (inf * 0) in the interpreter.
     poison = [torch.full((n,), float("inf"), device=DEVICE) for n in (64, 256, 1024, 4096)]
     del poison
+    plain = dict(cfg, prefetch=False, mask_skip=True)
     out = paged_attention_triton(
-        q, kc, vc, **kw, num_decodes=5, decode_config=dict(cfg, prefetch=prefetch)
+        q, kc, vc, **kw, num_decodes=5, decode_config=dict(plain, **options)
     )
     assert_close(out, paged_attention_ref(q, kc, vc, **kw))
-    if prefetch:  # the same sums in the same order (the GPU may contract them apart)
-        plain = paged_attention_triton(
-            q, kc, vc, **kw, num_decodes=5, decode_config=dict(cfg, prefetch=False)
-        )
-        torch.testing.assert_close(out, plain, atol=1e-6, rtol=1e-6)
+    if options:  # the same sums in the same order (the GPU may contract them apart)
+        expected = paged_attention_triton(q, kc, vc, **kw, num_decodes=5, decode_config=plain)
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
 
 
 def test_decode_padding_rows_touch_nothing():
