@@ -627,9 +627,12 @@ def decode_launch_config(
     max_context: int,
     device: torch.device,
     config: Mapping[str, Any] | None = None,
+    pdl: bool = False,
 ) -> dict[str, Any]:
     """Launch parameters of the decode path, `config` overriding the defaults
-    (benchmarks/kernels/bench_paged_attention.py sweeps them).
+    (benchmarks/kernels/bench_paged_attention.py sweeps them). `pdl`: the launch is one.
+    The defaults take one of a few compile variants (split or not, one or two stages,
+    prefetch with PDL), whatever the batch.
 
     block_m: rows of the dots, the group's query heads padded to 16 (>= the group).
     block_n: keys per tile; 32 where 64 would spill registers (wide groups, Dh > 128).
@@ -666,7 +669,7 @@ def decode_launch_config(
         "num_splits": num_splits,
         "num_warps": 4,
         "num_stages": 1 if split_tiles <= 8 else 2,
-        "prefetch": split_tiles <= 2,
+        "prefetch": pdl and split_tiles <= 2,
         "mask_skip": True,
     }
     return _checked_rows("decode", launch_config("paged_attention", default, config), heads_per_kv)
@@ -767,7 +770,7 @@ def paged_attention_triton(
     if num_decodes > 0:
         max_context = block_tables.shape[1] * block_size
         cfg = decode_launch_config(
-            num_decodes, KVH, heads_per_kv, Dh, max_context, q.device, decode_config
+            num_decodes, KVH, heads_per_kv, Dh, max_context, q.device, decode_config, pdl
         )
         splits = cfg["num_splits"]
         part_out = part_lse = out  # not touched with one split

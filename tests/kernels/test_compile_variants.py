@@ -138,7 +138,9 @@ def test_attention_decode_splits_of_any_batch_share_one_kernel():
                 decode_config=cfg,
             )
     assert len(splits) >= 5
-    assert len(keys["_paged_attention_kernel"]) == 2  # split and unsplit decode
+    # Split and unsplit decode, each with one or two pipeline stages (by the tiles a split
+    # has at the longest context): a few variants, not one per batch.
+    assert len(keys["_paged_attention_kernel"]) <= 4
     assert len(keys["_merge_splits_kernel"]) == 1
 
 
