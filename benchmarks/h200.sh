@@ -14,9 +14,12 @@
 #
 #   tests        GPU kernel, model and CUDA-graph tests (a call of its own)      ~5 min
 #   quick        the GPU tests of the newest paths: the GEMV, norms at model
-#                widths, PDL, conv and state updates, RoPE, cuDNN merge      ~3 min
+#                widths, PDL, conv and state updates, RoPE, decode attention, fused
+#                Mamba2 decode, cuDNN merge                                  ~3 min
 #   ceilings     the card's device-copy bandwidth and bf16 GEMM rate (the floors' peaks) ~1 min
 #   kernels      state update (Mamba1 regrouped and Mamba2) and MoE launch sizes ~3 min
+#   attention    the decode attention's launch parameters at batch 1, 8 and 64, with and
+#                without PDL (prefetch, stages, mask_skip, 32-key tiles)            ~1 min
 #   pdl          bench_pdl.py's chains; batch-1 Mamba2-2.7B, Bamba-9B without and with PDL ~3 min
 #   pdl2         the same for Mamba-2.8B and Llama-3-8B; Mamba2-2.7B profiles   ~3 min
 #   pdl3         PDL beyond batch 1, with and without: Bamba-9B b256 fp32 state and
@@ -71,11 +74,16 @@ section() {
             tests/kernels/test_compile_for_gpu.py tests/kernels/test_bench_pdl.py \
             tests/kernels/test_triton_norm_attention.py tests/kernels/test_triton_state_update.py \
             tests/kernels/test_triton_conv1d.py tests/kernels/test_rotary_activation.py \
-            tests/test_triton_models.py tests/test_cuda_graphs.py \
-            -k "gemv or merge or pdl or cudnn or sm90 or model_widths or update or rope"
+            tests/kernels/test_triton_mamba2_decode.py tests/test_triton_models.py \
+            tests/test_cuda_graphs.py -k "gemv or merge or pdl or cudnn or sm90 or model_widths \
+            or update or rope or paged_attention or mamba2_decode"
         ;;
     ceilings)
         python3 benchmarks/kernels/bench_ceilings.py --out "$dir/ceilings.json"
+        ;;
+    attention)
+        python3 benchmarks/kernels/bench_paged_attention.py --sections sweep_decode \
+            --out "$dir/paged_attention_h200.json"
         ;;
     kernels)
         python3 benchmarks/kernels/bench_state_update.py --sections accuracy,sizes \
