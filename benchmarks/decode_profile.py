@@ -18,11 +18,16 @@ copy bandwidth, or FLOPs over its matrix rate, whichever is larger).
 
 It measures the forward (and the LM head) only: no sampling, no host work between steps.
 The engine's own step at the same shape is what benchmarks/long_outputs.py times.
+`--attention-decode-config` sets launch parameters of the Triton decode attention for the
+run (`decode_launch_config`'s keys, over its defaults), so one device call can time a
+model step with and without one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import sys
 import time
@@ -34,6 +39,7 @@ from ssmserve.bench.common import kernel_rows_table, kernel_table, run_metadata,
 from ssmserve.bench.floors import device_peaks, engine_costs, floor_s
 from ssmserve.config import EngineConfig, add_engine_args
 from ssmserve.engine.engine import LLMEngine
+from ssmserve.kernels import paged_attention
 from ssmserve.layers.batch import ForwardBatch, StepInputs
 
 
@@ -66,17 +72,52 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile-iters", type=int, default=5, help="profiled steps (5)")
     parser.add_argument("--top", type=int, default=20, help="kernels listed (20)")
     parser.add_argument("--json", default=None, help="write the report here")
+    parser.add_argument(
+        "--attention-decode-config",
+        type=json.loads,
+        default={},
+        help="decode attention launch parameters, JSON (e.g. '{\"mask_skip\": false}')",
+    )
     add_engine_args(parser)  # --max-num-seqs and --max-model-len follow the shape
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.context < 1 or args.iters < 1 or args.profile_iters < 1:
         parser.error("--batch-size, --context, --iters and --profile-iters must be positive")
     if args.tensor_parallel_size * args.pipeline_parallel_size != 1:
         parser.error("decode_profile.py runs one device (tensor and pipeline size 1)")
+    try:  # unknown keys and bad values, before the model loads
+        paged_attention.decode_launch_config(
+            1, 1, 1, 16, 64, torch.device("cpu"), args.attention_decode_config
+        )
+    except (ValueError, TypeError) as exc:
+        parser.error(f"--attention-decode-config: {exc}")
     return args
+
+
+@contextlib.contextmanager
+def decode_attention_overrides(overrides: dict[str, Any]):
+    """Within: the decode attention's launch parameters are `overrides` over its defaults
+    (a call's own config still wins)."""
+    default = paged_attention.decode_launch_config
+
+    def with_overrides(*args: Any, config: Any = None, **kw: Any) -> dict[str, Any]:
+        if len(args) > 6:  # config passed positionally
+            args, config = args[:6] + args[7:], args[6]
+        return default(*args[:6], {**overrides, **(config or {})}, *args[6:], **kw)
+
+    paged_attention.decode_launch_config = with_overrides
+    try:
+        yield
+    finally:
+        paged_attention.decode_launch_config = default
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    with decode_attention_overrides(args.attention_decode_config):
+        return profile(args)
+
+
+def profile(args: argparse.Namespace) -> dict[str, Any]:
     config = EngineConfig.from_args(
         args,
         max_num_seqs=args.batch_size,
@@ -117,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "floor_ms": None if floor is None else 1e3 * floor,
         "bytes": step_bytes,
         "flops": step_flops,
+        "attention_decode_config": args.attention_decode_config,
     }
     print(
         f"{engine.model_name}: batch {args.batch_size} at {args.context} tokens, "

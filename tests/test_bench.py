@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import transformers
 
 from ssmserve import LLM, SamplingParams
@@ -441,9 +442,11 @@ def test_decode_profile_times_a_built_decode_step_without_prefilling(checkpoint,
         ["--model", checkpoint("bamba"), "--batch-size", "3", "--context", "21", "--iters", "2"]
         + ["--profile", "--profile-iters", "1", "--device", "cpu", "--dtype", "float32"]
         + ["--cache-memory", str(24 * 2**20), "--json", str(out)]
+        + ["--attention-decode-config", '{"mask_skip": false}']
     )
     assert json.loads(out.read_text())["step_ms"] == report["step_ms"] > 0
     assert (report["batch_size"], report["context"], report["graph"]) == (3, 21, False)
+    assert report["attention_decode_config"] == {"mask_skip": False}
     assert report["bytes"] > 0 and report["flops"] > 0
     kernels = report["kernels"]
     assert (
@@ -451,6 +454,28 @@ def test_decode_profile_times_a_built_decode_step_without_prefilling(checkpoint,
         and abs(sum(k["us"] for k in kernels) - report["busy_us"]) < 1e-6 * report["busy_us"] + 1e-9
     )
     assert any(k["kernel"] == "aten::mm" for k in kernels)
+
+
+def test_decode_profile_sets_the_decode_attention_launch_parameters_for_its_run():
+    """--attention-decode-config: its keys over the decode attention's defaults while the
+    run lasts (a call's own config still wins), the defaults back after; an unknown key
+    is a usage error before any model loads."""
+    from ssmserve.kernels import paged_attention
+
+    bench = load_benchmark("decode_profile")
+    shape = (1, 8, 4, 128, 2048, torch.device("cpu"))
+    before = paged_attention.decode_launch_config(*shape)
+    with bench.decode_attention_overrides({"mask_skip": False, "num_warps": 8}):
+        cfg = paged_attention.decode_launch_config(*shape, {"num_warps": 2}, True)
+        assert cfg["mask_skip"] is False and cfg["num_warps"] == 2
+        rest = ("mask_skip", "num_warps", "prefetch")  # prefetch follows the PDL argument
+        assert {k: v for k, v in cfg.items() if k not in rest} == {
+            k: v for k, v in before.items() if k not in rest
+        }
+    assert paged_attention.decode_launch_config(*shape) == before
+    assert before["mask_skip"] is True
+    with pytest.raises(SystemExit):
+        bench.main(["--attention-decode-config", '{"nope": 1}'])
 
 
 @pytest.mark.parametrize("overlap", ["--overlap-steps", "--no-overlap-steps"])
