@@ -403,15 +403,19 @@ def _tied_over_p(t: torch.Tensor | None, dims: tuple[int, ...]) -> bool:
 _MIN_PROGRAMS = 1024
 
 
-def _channels_per_head(Bt: int, H: int, G: int, N: int) -> int:
+def _channels_per_head(Bt: int, H: int, G: int, N: int, device: torch.device | None = None) -> int:
     """For Mamba1's layout (P = 1: each channel its own "head"), how many channels one
     program takes: a power of two dividing H // G, up to ~2k state elements a program,
     fewer while that leaves under _MIN_PROGRAMS programs. One program per channel (16
-    elements at d_state 16) ran 40x off the copy rate at batch 256."""
+    elements at d_state 16) ran 40x off the copy rate at batch 256. The interpreter has
+    no SMs to fill and pays per program, so off a GPU the floor is 1/64 of it."""
+    minimum = _MIN_PROGRAMS
+    if device is not None and device.type != "cuda":
+        minimum = _MIN_PROGRAMS // 64
     per = 1
     while per * 2 * next_pow2(N) <= 2048 and (H // G) % (per * 2) == 0:
         per *= 2
-    while per > 1 and (H // per) * Bt < _MIN_PROGRAMS:
+    while per > 1 and (H // per) * Bt < minimum:
         per //= 2
     return per
 
@@ -469,7 +473,7 @@ def selective_state_update_triton(
     if P == 1:
         # Mamba1: regroup channels into heads of `per` rows, so a program covers many
         # channels. Element (h, 0, n) keeps its flat index h * N + n (its rounding noise).
-        per = _channels_per_head(Bt, H, G, N)
+        per = _channels_per_head(Bt, H, G, N, x.device)
         if per > 1:
             ssm_state, A = _regroup(ssm_state, 1, per), _regroup(A, 0, per)
             x, dt, z, y_out = (_regroup(t, 1, per) for t in (x, dt, z, y))
