@@ -288,17 +288,26 @@ def write_kv_cache_triton(
 
 
 @device_function
+def _block_ids(bt_row, k_pos, load_mask, block_size, stride_bt_b, MASKED: tl.constexpr):
+    """The cache blocks of key positions k_pos (block 0 where MASKED and not load_mask)."""
+    if MASKED:
+        block = tl.load(bt_row + (k_pos // block_size) * stride_bt_b, mask=load_mask, other=0)
+    else:
+        block = tl.load(bt_row + (k_pos // block_size) * stride_bt_b)
+    return block.to(tl.int64)
+
+
+@device_function
 def _kv_tile(
     k_cache_ptr,
     v_cache_ptr,
-    bt_row,
+    block,
     k_pos,
     load_mask,
     kv_head,
     offs_d,
     mask_d,
     block_size,
-    stride_bt_b,
     stride_kc_b,
     stride_kc_o,
     stride_kc_h,
@@ -309,14 +318,12 @@ def _kv_tile(
     stride_vc_d,
     MASKED: tl.constexpr,
 ):
-    """The K and V rows of key positions k_pos (zero where MASKED and not load_mask)."""
+    """The K and V rows of key positions k_pos in cache blocks `block` (zero where MASKED
+    and not load_mask)."""
     if MASKED:
         mask_nd = load_mask[:, None] & mask_d[None, :]
-        block = tl.load(bt_row + (k_pos // block_size) * stride_bt_b, mask=load_mask, other=0)
     else:
         mask_nd = mask_d[None, :]
-        block = tl.load(bt_row + (k_pos // block_size) * stride_bt_b)
-    block = block.to(tl.int64)
     offset = k_pos % block_size
     k = tl.load(
         k_cache_ptr
@@ -494,17 +501,19 @@ def _paged_attention_kernel(
     if PREFETCH:
         first = kv_lo + tl.arange(0, BLOCK_N)
         old = first < tl.minimum(kv_hi, seq_len - q_len)
+        # The tile's blocks (the step's input) serve both reads.
+        block = _block_ids(bt_row, first, first < kv_hi, block_size, stride_bt_b, MASKED=True)
         k0, v0 = _kv_tile(
-            k_cache_ptr, v_cache_ptr, bt_row, first, old, kv_head, offs_d, mask_d,
-            block_size, stride_bt_b, stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
+            k_cache_ptr, v_cache_ptr, block, first, old, kv_head, offs_d, mask_d,
+            block_size, stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
             stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d, MASKED=True,
         )  # fmt: skip
         if PDL:
             gdc_wait()
         new = (first >= seq_len - q_len) & (first < kv_hi)
         k_new, v_new = _kv_tile(
-            k_cache_ptr, v_cache_ptr, bt_row, first, new, kv_head, offs_d, mask_d,
-            block_size, stride_bt_b, stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
+            k_cache_ptr, v_cache_ptr, block, first, new, kv_head, offs_d, mask_d,
+            block_size, stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
             stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d, MASKED=True,
         )  # fmt: skip
         k0 = tl.where(new[:, None], k_new, k0)
@@ -545,10 +554,12 @@ def _paged_attention_kernel(
             tiles_lo, tiles_hi = loop_lo, full_hi
         for n0 in range(tiles_lo, tiles_hi, BLOCK_N):
             k_pos = n0 + tl.arange(0, BLOCK_N)
+            loaded = k_pos < kv_hi
+            block = _block_ids(bt_row, k_pos, loaded, block_size, stride_bt_b, MASKED=MASKED)
             k, v = _kv_tile(
-                k_cache_ptr, v_cache_ptr, bt_row, k_pos, k_pos < kv_hi, kv_head, offs_d,
-                mask_d, block_size, stride_bt_b, stride_kc_b, stride_kc_o, stride_kc_h,
-                stride_kc_d, stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d, MASKED=MASKED,
+                k_cache_ptr, v_cache_ptr, block, k_pos, loaded, kv_head, offs_d, mask_d,
+                block_size, stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
+                stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d, MASKED=MASKED,
             )  # fmt: skip
             m_i, l_i, acc = _attend_tile(
                 q, k, v, k_pos, q_pos, kv_hi, window, qk_scale, m_i, l_i, acc,
