@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import sys
@@ -98,11 +99,12 @@ def decode_attention_overrides(overrides: dict[str, Any]):
     """Within: the decode attention's launch parameters are `overrides` over its defaults
     (a call's own config still wins)."""
     default = paged_attention.decode_launch_config
+    signature = inspect.signature(default)
 
-    def with_overrides(*args: Any, config: Any = None, **kw: Any) -> dict[str, Any]:
-        if len(args) > 6:  # config passed positionally
-            args, config = args[:6] + args[7:], args[6]
-        return default(*args[:6], {**overrides, **(config or {})}, *args[6:], **kw)
+    def with_overrides(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["config"] = {**overrides, **(bound.arguments.get("config") or {})}
+        return default(*bound.args, **bound.kwargs)
 
     paged_attention.decode_launch_config = with_overrides
     try:
