@@ -463,7 +463,7 @@ def test_decode_profile_sets_the_decode_attention_launch_parameters_for_its_run(
     from ssmserve.kernels import paged_attention
 
     bench = load_benchmark("decode_profile")
-    shape = (1, 8, 4, 128, 2048, torch.device("cpu"))
+    shape = (1, 8, 4, 128, 256, torch.device("cpu"))  # one split of 4 tiles: mask_skip on
     before = paged_attention.decode_launch_config(*shape)
     with bench.decode_attention_overrides({"mask_skip": False, "num_warps": 8}):
         cfg = paged_attention.decode_launch_config(*shape, {"num_warps": 2}, True)

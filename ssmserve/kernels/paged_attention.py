@@ -665,7 +665,11 @@ def decode_launch_config(
         H200 0.288 against 0.319, benchmarks/results/paged_attention_2026-11-30_h200.json).
         The splits are set by the host's numbers, so these are too.
     mask_skip: the whole tiles without masks, then the masked ones (two loops); without,
-        every tile masked in one loop.
+        every tile masked in one loop. On with one stage only: with two, the second loop
+        costs the first its pipelining (one H100, 2026-12-06, c38597d: batch 64 at 4k
+        0.351 ms without against 0.449 with, and Llama-3-8B's batch-64 step at 5k 20.2
+        against 24.1 ms; with one stage it pays: batch 8 at 4k 54.7 against 76.2 µs,
+        batch 1 at 32k 55.0 against 76.8, batch 1 at 2k 10.5 against 11.0).
     """
     block_m = max(16, next_pow2(heads_per_kv))
     block_n = 64 if block_m * max(16, next_pow2(Dh)) <= 16 * 128 else 32
@@ -681,7 +685,7 @@ def decode_launch_config(
         "num_warps": 4,
         "num_stages": 1 if split_tiles <= 8 else 2,
         "prefetch": pdl and split_tiles <= 2,
-        "mask_skip": True,
+        "mask_skip": split_tiles <= 8,
     }
     return _checked_rows("decode", launch_config("paged_attention", default, config), heads_per_kv)
 

@@ -151,3 +151,14 @@ def test_launch_parameters_override_defaults_and_are_validated():
     with pytest.raises(ValueError, match="query heads per KV head"):
         decode_launch_config(4, 8, 32, 128, 4096, torch.device("cpu"), {"block_m": 16})
     assert prefill_launch_config(4, 128, {"block_m": 64})["block_q"] == 16
+
+
+def test_decode_defaults_skip_masks_only_with_one_stage():
+    # Two loops cost a two-stage loop its pipelining (decode_launch_config's docstring):
+    # the unmasked loop is the default only where splits are short enough for one stage.
+    cpu = torch.device("cpu")
+    for batch, context in [(1, 256), (1, 4096), (8, 4096), (64, 4096), (64, 32768)]:
+        cfg = decode_launch_config(batch, 8, 4, 128, context, cpu)
+        assert cfg["mask_skip"] == (cfg["num_stages"] == 1), (batch, context, cfg)
+    assert decode_launch_config(1, 8, 4, 128, 256, cpu)["mask_skip"]
+    assert not decode_launch_config(64, 8, 4, 128, 4096, cpu)["mask_skip"]
