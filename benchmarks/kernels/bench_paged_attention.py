@@ -330,6 +330,7 @@ def sweep_decode() -> None:
         {"block_n": 32, "num_splits": 4},
         {"block_n": 32, "num_warps": 8},
         {"mask_skip": False},
+        {"mask_skip": True},
         {"mask_skip": False, "block_n": 32},
     ]
     # With PDL (as decode graphs launch it on sm_90), each call waits for the one before;
