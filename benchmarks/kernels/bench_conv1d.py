@@ -11,6 +11,8 @@ Bamba-9B (conv dim 8192 + 2 x 128) and Mamba2-2.7B (5120 + 2 x 128) mixers, kern
   in_proj output, with its row stride, as the mixers pass it.
 - update: batch 1 / 64 / 256, eager and under CUDA-graph replay.
 - sweep: the varlen launch parameters (`config=`) at 8k tokens, the engine's chunk.
+- sweep_update: the update's launch parameters (channels a program, warps) at the
+  batches of long-output decode (256 and 650 rows), under CUDA-graph replay.
 Floor: x read and y written once (bf16), plus the conv states for the update.
 """
 
@@ -39,12 +41,16 @@ from ssmserve.kernels.causal_conv1d import (
     varlen_launch_config,
 )
 
-SECTIONS = ("accuracy", "varlen", "update", "sweep")
+SECTIONS = ("accuracy", "varlen", "update", "sweep", "sweep_update")
 OPTS = parse_args(__doc__, SECTIONS)
 # (name, conv dim, in_proj width: the row stride of the conv input)
 MODELS = [("bamba-9b", 8192 + 2 * 128, 16768), ("mamba2-2.7b", 5120 + 2 * 128, 10576)]
 K = 4
 CHECK_T, VARLEN_T, SWEEP_T, BATCHES = 8192, (4096, 32768), 8192, (1, 64, 256)
+UPDATE_BATCHES = (256, 650)
+UPDATE_SWEEP = [{}] + [
+    dict(block_c=bc, num_warps=nw) for bc in (128, 256, 512, 1024, 2048) for nw in (2, 4, 8)
+]
 SWEEP = [
     dict(block_t=bt, block_c=bc, num_warps=nw)
     for bt in (16, 32, 64)
@@ -56,6 +62,7 @@ if OPTS.tiny:
     MODELS = [("tiny", 48, 112)]
     CHECK_T, VARLEN_T, SWEEP_T, BATCHES = 300, (64,), 64, (1, 4)
     SWEEP = SWEEP[:2]
+    UPDATE_BATCHES, UPDATE_SWEEP = (3,), [{}, dict(block_c=16, num_warps=2)]
 
 
 def rand(*shape: int, gen: torch.Generator) -> torch.Tensor:
@@ -155,9 +162,37 @@ def sweep() -> None:
             record_time(f"sweep {name} T={SWEEP_T} {cfg}", ms, floor_ms(2 * SWEEP_T * Cd * 2))
 
 
+def sweep_update() -> None:
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    for name, Cd, _ in MODELS:
+        w, b = rand(Cd, K, gen=gen), rand(Cd, gen=gen)
+        for Bt in UPDATE_BATCHES:
+            x, pool = rand(Bt, Cd, gen=gen), rand(Bt + 1, Cd, K - 1, gen=gen)
+            slots = torch.randperm(Bt + 1, generator=gen, device=DEV)[:Bt]
+            start = pool.clone()
+            y_ref = causal_conv1d_update_ref(x, start.clone(), w, b, state_slots=slots)
+            floor = floor_ms(Bt * Cd * (2 * 2 + 2 * (K - 1) * 2))
+            for cfg in UPDATE_SWEEP:
+
+                def run(state: torch.Tensor, cfg=cfg, x=x, s=slots, w=w, b=b) -> torch.Tensor:
+                    return causal_conv1d_update_triton(x, state, w, b, state_slots=s, config=cfg)
+
+                label = f"sweep_update {name} batch={Bt} {cfg or 'default'}"
+                record_check(label, {"y": rel_err(run(start.clone()), y_ref)})
+                if DEV.type == "cuda":  # timed on `pool`, which each replay writes
+                    graph, _ = capture(lambda run=run, pool=pool: run(pool))
+                    record_time(label, bench_ms(graph.replay), floor)
+                    del graph
+
+
 def main() -> None:
     environment(OPTS, kernel_width=K, default_config=varlen_launch_config(8448))
-    run_sections(OPTS, dict(accuracy=accuracy, varlen=varlen, update=update, sweep=sweep))
+    run_sections(
+        OPTS,
+        dict(
+            accuracy=accuracy, varlen=varlen, update=update, sweep=sweep, sweep_update=sweep_update
+        ),
+    )
     finish(OPTS, "conv1d", "Causal conv1d (varlen prefill and one-token update)")
 
 

@@ -544,15 +544,20 @@ def causal_conv1d_update_triton(
     state_slots: torch.Tensor,
     activation: str | None = "silu",
     pdl: bool = False,
+    config: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
-    """Triton twin of `causal_conv1d_update_ref`; no host sync (CUDA-graph safe)."""
+    """Triton twin of `causal_conv1d_update_ref`; no host sync (CUDA-graph safe).
+    `config` overrides the launch parameters (block_c: channels a program, see
+    `update_block_c`; num_warps: 4; benchmarks and tests only)."""
     _check_activation(activation)
     Bt, Cd, K = _check_conv_args(x, weight, bias, conv_state)
     check_shape("state_slots", state_slots, [Bt])
     y = torch.empty_like(x)
     if Bt == 0:
         return y
-    block_c = update_block_c(Bt, Cd, x.device)
+    default = {"block_c": update_block_c(Bt, Cd, x.device), "num_warps": 4}
+    cfg = launch_config("conv1d_update", default, config)
+    block_c = cfg["block_c"]
     grid = (Bt, cdiv(Cd, block_c))
     _conv1d_update_kernel[grid](
         x,
@@ -572,6 +577,7 @@ def causal_conv1d_update_triton(
         BLOCK_K=next_pow2(K - 1),
         BLOCK_C=block_c,
         PDL=pdl,
+        num_warps=cfg["num_warps"],
         **pdl_launch(pdl),
     )
     return y

@@ -53,13 +53,17 @@ def test_varlen_matches_twin(dtype, K, varlen, init, config):
 
 @pytest.mark.parametrize("activation", [None, "silu"])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_update_matches_twin(activation, with_bias):
+@pytest.mark.parametrize("config", [None, {"block_c": 16, "num_warps": 2}])
+def test_update_matches_twin(activation, with_bias, config):
+    # config: 37 channels over three programs a row, the last one partly masked
     x, w, b, pool = make(4, 37, 4, torch.float32, seed=1)
     b = b if with_bias else None
     slots = torch.tensor([3, -1, 0, 4], device=DEVICE)
     pool_ref = pool.clone()
     y_ref = causal_conv1d_update_ref(x, pool_ref, w, b, state_slots=slots, activation=activation)
-    y = causal_conv1d_update_triton(x, pool, w, b, state_slots=slots, activation=activation)
+    y = causal_conv1d_update_triton(
+        x, pool, w, b, state_slots=slots, activation=activation, config=config
+    )
     assert_close(y, y_ref)
     assert torch.equal(pool, pool_ref)
     assert torch.equal(y[1], torch.zeros_like(y[1]))
