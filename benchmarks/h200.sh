@@ -17,7 +17,8 @@
 #                widths, PDL, conv and state updates, RoPE, decode attention, fused
 #                Mamba2 decode, cuDNN merge                                  ~3 min
 #   ceilings     the card's device-copy bandwidth and bf16 GEMM rate (the floors' peaks) ~1 min
-#   kernels      state update (Mamba1 regrouped and Mamba2) and MoE launch sizes ~3 min
+#   kernels      state update (Mamba1 regrouped and Mamba2), MoE launch sizes, and the conv
+#                update's launch parameters at 256 and 650 rows                   ~4 min
 #   attention    the decode attention's launch parameters at batch 1, 8 and 64, with and
 #                without PDL (prefetch, stages, mask_skip, 32-key tiles); a Llama-3-8B
 #                b64 step at 5k with the defaults, without mask_skip, with 32-key tiles ~3 min
@@ -33,7 +34,7 @@
 set -uo pipefail
 
 if [ $# -lt 2 ]; then
-    sed -n '2,28p' "$0"
+    awk 'NR > 1 && /^set /{exit} NR > 1' "$0"  # the header above
     exit 2
 fi
 export SSMSERVE_COMMIT=$1
@@ -95,7 +96,9 @@ section() {
     kernels)
         python3 benchmarks/kernels/bench_state_update.py --sections accuracy,sizes \
             --out "$dir/state_update_h200.json" &&
-            python3 benchmarks/kernels/bench_moe.py --sections sizes --out "$dir/moe_h200.json"
+            python3 benchmarks/kernels/bench_moe.py --sections sizes --out "$dir/moe_h200.json" &&
+            python3 benchmarks/kernels/bench_conv1d.py --sections update,sweep_update \
+                --out "$dir/conv1d_update_h200.json"
         ;;
     pdl)
         python3 benchmarks/kernels/bench_pdl.py --out "$dir/pdl_h200.json" &&
