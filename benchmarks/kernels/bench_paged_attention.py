@@ -357,6 +357,7 @@ def sweep_prefill() -> None:
         {"num_warps": 4},
         {"num_stages": 2},
         {"block_m": 64},
+        {"mask_skip": False},
     ]
     for name, ctx, q_lens in PREFILL_CASES[1:3] if not TINY else PREFILL_CASES[1:]:
         b = make_batch(ctx, q_lens)

@@ -708,6 +708,8 @@ def prefill_launch_config(
 
     block_m: rows of the dots (block_q = block_m // heads_per_kv queries per program).
     block_n: keys per tile. num_warps, num_stages: Triton launch options.
+    mask_skip: as the decode path's; on (the figures below are with it). With several
+        stages it cost the decode path its pipelining; not yet timed here without it.
 
     Head dims up to 128 (H200, 32/8 heads of 128, bf16): 128 rows, 64-key tiles, 8 warps
     and 3 stages take a 2k chunk over 30k cached tokens in 4.68 ms and an 8k chunk over
@@ -721,6 +723,7 @@ def prefill_launch_config(
     else:
         block_m = max(64, next_pow2(heads_per_kv))
         default = {"block_m": block_m, "block_n": 32, "num_warps": 8, "num_stages": 2}
+    default["mask_skip"] = True
     cfg = _checked_rows("prefill", launch_config("paged_attention", default, config), heads_per_kv)
     return {**cfg, "block_q": cfg["block_m"] // heads_per_kv}
 
@@ -861,7 +864,7 @@ def paged_attention_triton(
             **meta,
             PDL=pdl,
             PREFETCH=False,
-            MASK_SKIP=True,
+            MASK_SKIP=cfg["mask_skip"],
             **pdl_launch(pdl),
         )
     return out

@@ -117,6 +117,20 @@ def test_paged_attention_mixed_batch_matches_twin(H, KVH, Dh, dtype, sliding_win
     assert_close(out, out_ref)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 21])
+@pytest.mark.parametrize("mask_skip", [True, False])
+def test_paged_attention_prefill_mask_skip_matches_twin(sliding_window, mask_skip):
+    # 16-key tiles over up to 50 cached tokens: whole tiles before each query block's
+    # diagonal, which mask_skip reads unmasked; a chunk with no context; one query.
+    case = build_case([37, 50, 0, 3], [20, 9, 17, 1], 8, 2, Dh=8, block_size=4, seed=5)
+    q, kc, vc = (case[n].to(DEVICE) for n in ("q", "k_cache", "v_cache"))
+    kw = {n: case[n].to(DEVICE) for n in ("block_tables", "query_start_loc", "seq_lens")}
+    kw.update(scale=8**-0.5, sliding_window=sliding_window)
+    cfg = dict(block_m=16, block_n=16, num_warps=4, num_stages=2, mask_skip=mask_skip)
+    out = paged_attention_triton(q, kc, vc, **kw, prefill_config=cfg)
+    assert_close(out, paged_attention_ref(q, kc, vc, **kw))
+
+
 @pytest.mark.filterwarnings("error::RuntimeWarning")
 @pytest.mark.parametrize("num_splits,block_n", [(1, 16), (3, 16), (8, 64)])
 @pytest.mark.parametrize("sliding_window", [None, 21])
