@@ -21,7 +21,7 @@
 #                update's launch parameters at 256 and 650 rows                   ~4 min
 #   attention    the decode attention's launch parameters at batch 1, 8 and 64, with and
 #                without PDL (prefetch, stages, mask_skip, 32-key tiles); a Llama-3-8B
-#                b64 step at 5k with the defaults, without mask_skip, with 32-key tiles ~3 min
+#                b64 step at 5k with the defaults, with mask_skip forced on, with 32-key tiles ~3 min
 #   pdl          bench_pdl.py's chains; batch-1 Mamba2-2.7B, Bamba-9B without and with PDL ~3 min
 #   pdl2         the same for Mamba-2.8B and Llama-3-8B; Mamba2-2.7B profiles   ~3 min
 #   pdl3         PDL beyond batch 1, with and without: Bamba-9B b256 fp32 state and
@@ -86,7 +86,7 @@ section() {
     attention)
         python3 benchmarks/kernels/bench_paged_attention.py --sections sweep_decode \
             --out "$dir/paged_attention_h200.json" || return
-        for cfg in '{}' '{"mask_skip": false}' '{"block_n": 32}'; do
+        for cfg in '{}' '{"mask_skip": true}' '{"block_n": 32}'; do
             name=$(echo "$cfg" | tr -dc 'a-z0-9_')
             python3 benchmarks/decode_profile.py --model "$configs/llama-3-8b" "${dummy[@]}" \
                 --batch-size 64 --context 5120 --iters 10 --attention-decode-config "$cfg" \
