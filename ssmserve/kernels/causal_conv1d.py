@@ -410,46 +410,32 @@ def _conv1d_update_kernel(
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_k = tl.arange(0, BLOCK_K)
     mask_c = offs_c < Cd
-    mask_k = offs_k < KM1
     slot = tl.load(state_slots_ptr + row).to(tl.int64)
     valid = slot >= 0
-    mask_ck = mask_c[:, None] & mask_k[None, :] & valid
-    state_row = conv_state_ptr + slot * stride_s_slot + offs_c[:, None] * stride_s_c
-    window = tl.load(state_row + offs_k[None, :] * stride_s_k, mask=mask_ck, other=0.0)
-    # The window shifted left by one, loaded now beside the window (both wait only on
-    # the slot) rather than after the output store, which the compiler cannot move a
-    # load above (y and the state could alias for all it knows).
-    shifted = tl.load(
-        state_row + (offs_k + 1)[None, :] * stride_s_k,
-        mask=mask_ck & (offs_k < KM1 - 1)[None, :],
-        other=0.0,
-    )
-    w = tl.load(
-        weight_ptr + offs_c[:, None] * stride_w_c + offs_k[None, :] * stride_w_k,
-        mask=mask_c[:, None] & mask_k[None, :],
-        other=0.0,
-    )
-    w_last = tl.load(weight_ptr + offs_c * stride_w_c + KM1 * stride_w_k, mask=mask_c, other=0.0)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
-    acc = tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=1)
+    state_row = conv_state_ptr + slot * stride_s_slot
+    # The window and the window shifted by one are loaded together (both wait only on
+    # the slot), not the shifted one after the output store, which the compiler cannot
+    # move a load above (y and the state could alias for all it knows).
+    inputs = conv_inputs(
+        state_row, weight_ptr, bias_ptr, offs_c, mask_c, valid, stride_s_c, stride_s_k,
+        stride_w_c, stride_w_k, 1, KM1, HAS_BIAS, BLOCK_K,
+    )  # fmt: skip
     if PDL:
         gdc_wait()
     x = tl.load(x_ptr + row * stride_x_b + offs_c * stride_x_c, mask=mask_c, other=0.0)
-    acc += x.to(tl.float32) * w_last.to(tl.float32)
-    if HAS_BIAS:
-        acc += bias
-    if SILU:
-        acc = acc / (1.0 + tl.exp(-acc))
-    acc = tl.where(valid, acc, 0.0)
+    y, window = conv_apply(x, *inputs, y_ptr.dtype.element_ty, KM1, HAS_BIAS, SILU, BLOCK_K)
+    y = tl.where(valid, y, 0.0)
     tl.store(
-        y_ptr + row * stride_y_b + offs_c * stride_y_c, acc.to(y_ptr.dtype.element_ty), mask=mask_c
+        y_ptr + row * stride_y_b + offs_c * stride_y_c, y.to(y_ptr.dtype.element_ty), mask=mask_c
     )
-    # Shift left by one and append x.
-    shifted = tl.where((offs_k == KM1 - 1)[None, :], x.to(shifted.dtype)[:, None], shifted)
     # NOTE: column k+1 is read by the thread writing column k+1's neighbour.
     tl.debug_barrier()
-    tl.store(state_row + offs_k[None, :] * stride_s_k, shifted, mask=mask_ck)
+    mask_ck = mask_c[:, None] & (offs_k < KM1)[None, :] & valid
+    tl.store(
+        state_row + offs_c[:, None] * stride_s_c + offs_k[None, :] * stride_s_k,
+        window,
+        mask=mask_ck,
+    )
 
 
 @device_function
@@ -507,10 +493,10 @@ def conv_apply(
     SILU: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # The conv of the new input x over `conv_inputs`' window: `_conv1d_update_kernel`'s
-    # arithmetic in its order, so its result bit for bit. Returns the output in float32,
-    # rounded to out_dtype first (as the unfused conv stores it), and the window shifted
-    # by one with x appended.
+    # The conv of the new input x over `conv_inputs`' window (`_conv1d_update_kernel`
+    # runs it too, so a fused kernel gets the update's result bit for bit). Returns the
+    # output in float32, rounded to out_dtype first (as the update stores it), and the
+    # window shifted by one with x appended.
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=1)
     acc += x.to(tl.float32) * w_last.to(tl.float32)
