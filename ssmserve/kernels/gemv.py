@@ -14,11 +14,21 @@ dependent launch (`pdl=True`): a program loads its first weight tile (16 KB) bef
   `block_n` holds `block_tile` weight elements a program (8192: 16 KB of bf16).
 
 benchmarks/kernels/bench_pdl.py measures it against F.linear in decode-shaped chains.
+
+`gated_rms_norm_gemv` and `add_rms_norm_gemv` are the GEMV with the RMSNorm before it
+(Mamba2's gated norm before out_proj; a block's residual add and pre-norm before its
+first linear) computed inside: at batch 1 the norm's own kernel is a single program on
+the step's critical path (2-2.5 us a layer on an H100). Each program reads the whole
+input row anyway; it accumulates the squares of each norm group beside the products
+and scales the group's partial sums by its 1/rms at the group's end. So the normalised
+row is never rounded to the model dtype before the multiply, as the unfused norm rounds
+it: the result differs from norm-then-GEMV by that one rounding (in bf16, about 2^-9 of
+each input, averaged over K), and not at all in float32 beyond the order of the sums.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -35,6 +45,14 @@ from ssmserve.kernels._common import (
     num_sms,
     pdl_launch,
     tl,
+)
+from ssmserve.kernels.gated_rms_norm import (
+    _check_add_norm_args,
+    _check_norm_args,
+    add_rms_norm_ref,
+    add_rms_norm_triton,
+    gated_rms_norm_ref,
+    gated_rms_norm_triton,
 )
 
 
@@ -185,3 +203,279 @@ def gemv_triton(
         **pdl_launch(pdl),
     )
     return out
+
+
+# ------------------------------------------------------------------- norm, then GEMV
+
+
+def gated_rms_norm_gemv_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor,
+    z: torch.Tensor | None,
+    eps: float,
+    group_size: int | None = None,
+    norm_before_gate: bool = False,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """F.linear(gated_rms_norm(x, norm_weight, z, ...), weight, bias) for one row x
+    [1, K]: the GEMV's arguments, then the norm's (see `gated_rms_norm_ref`). `pdl` is
+    the Triton launcher's."""
+    h = gated_rms_norm_ref(
+        x, norm_weight, z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate
+    )
+    _check_gemv_args(h, weight, bias)
+    return F.linear(h, weight, bias)
+
+
+def add_rms_norm_gemv_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(F.linear(h, weight, bias), s) for (h, s) = add_rms_norm(x, residual,
+    norm_weight): a block's residual add and pre-norm, then its first linear, for one
+    row [1, K]: the GEMV's arguments, then the norm's. `pdl` is the Triton launcher's."""
+    h, s = add_rms_norm_ref(x, residual, norm_weight, eps=eps)
+    _check_gemv_args(h, weight, bias)
+    return F.linear(h, weight, bias), s
+
+
+def norm_gemv_launch_config(
+    N: int, group_size: int, device: torch.device, config: Mapping[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """The GEMV's launch parameters (`gemv_launch_config`) with K tiles that divide the
+    norm group (None when no power of two from 16 does: the launcher then runs the norm
+    and the GEMV apart), and at most 1024 columns a tile: every program reads the whole
+    input row (and the residual or gate and the norm weight) from L2, so a program
+    takes at least 8 weight rows, a third of its bytes at most."""
+    cfg = dict(config or {})
+    if "block_k" not in cfg:
+        block_k = 1024
+        while block_k >= 16 and group_size % block_k:
+            block_k //= 2
+        cfg["block_k"] = block_k
+    if cfg["block_k"] < 16 or group_size % cfg["block_k"]:
+        return None
+    return gemv_launch_config(N, group_size, device, cfg)
+
+
+@lazy_jit(do_not_specialize=["N"])
+def _norm_gemv_kernel(
+    x_ptr,
+    gate_ptr,
+    residual_ptr,
+    sum_ptr,
+    norm_w_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    K,
+    group_size,
+    eps,
+    stride_wn,
+    GATED: tl.constexpr,  # h = x * silu(gate); else h = residual + x, stored to sum_ptr
+    HAS_GATE: tl.constexpr,
+    NORM_BEFORE_GATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # As _gemv_kernel (BLOCK_K divides group_size, which divides K: no K masks), with
+    # the input row normalised on the fly: per norm group, the products of h * norm_w
+    # and the squares of h accumulate apart, and the group's row sums are scaled by its
+    # 1/rms once at the group's end.
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    if PDL:
+        gdc_launch_dependents()
+    # The first tile, before the wait: no kernel writes the weights.
+    w = tl.load(w_ptrs)
+    if PDL:
+        gdc_wait()
+    y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k_group in range(0, K, group_size):
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(k_group, k_group + group_size, BLOCK_K):
+            ks = k0 + offs_k
+            w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=(ks + BLOCK_K)[None, :] < K, other=0.0)
+            x = tl.load(x_ptr + ks)
+            if GATED:
+                h = x.to(tl.float32)
+                if HAS_GATE:
+                    zv = tl.load(gate_ptr + ks).to(tl.float32)
+                    gate = zv / (1.0 + tl.exp(-zv))
+                    if NORM_BEFORE_GATE:
+                        squares += h * h
+                        h = h * gate
+                    else:
+                        h = h * gate
+                        squares += h * h
+                else:
+                    squares += h * h
+            else:
+                # The sum as add_rms_norm rounds it (the residual's dtype), then as the
+                # norm reads it (the norm weight's); one program stores it.
+                r = tl.load(residual_ptr + ks)
+                s = (r.to(tl.float32) + x.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+                tl.store(sum_ptr + ks, s, mask=(ks < K) & (pid == 0))
+                h = s.to(norm_w_ptr.dtype.element_ty).to(tl.float32)
+                squares += h * h
+            nw = tl.load(norm_w_ptr + ks).to(tl.float32)
+            acc += w.to(tl.float32) * (h * nw)[None, :]
+            w = w_next
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / group_size + eps)
+        y += tl.sum(acc, axis=1) * rstd
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows).to(tl.float32)
+    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+def _launch_norm_gemv(
+    cfg, x, gate, residual, s, norm_weight, weight, bias, group, gated, norm_before_gate,
+    eps, pdl,
+) -> torch.Tensor:  # fmt: skip
+    N, K = weight.shape
+    out = torch.empty(1, N, dtype=weight.dtype, device=x.device)
+    _norm_gemv_kernel[(cdiv(N, cfg["block_n"]),)](
+        x,
+        gate,
+        residual,
+        s,
+        norm_weight,
+        weight,
+        bias,
+        out,
+        N,
+        K,
+        group,
+        float(eps),
+        weight.stride(0),
+        GATED=gated,
+        HAS_GATE=gate is not None,
+        NORM_BEFORE_GATE=norm_before_gate,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"],
+        PDL=pdl,
+        num_warps=cfg["num_warps"],
+        **pdl_launch(pdl),
+    )
+    return out
+
+
+def _contiguous_rows(weight: torch.Tensor, *vectors: torch.Tensor | None) -> list:
+    if weight.stride(1) != 1:
+        raise ValueError("gemv needs the weight's rows contiguous (nn.Linear's layout)")
+    return [v if v is None or v.is_contiguous() else v.contiguous() for v in vectors]
+
+
+def gated_rms_norm_gemv_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor,
+    z: torch.Tensor | None,
+    eps: float,
+    group_size: int | None = None,
+    norm_before_gate: bool = False,
+    pdl: bool = False,
+    config: Mapping[str, Any] | None = None,
+) -> torch.Tensor:
+    """Triton twin of `gated_rms_norm_gemv_ref` (same arguments and shapes; the norm
+    inside the GEMV's one launch, see the module docstring for how it rounds). Where
+    no tile divides the norm group, the norm and the GEMV run as two kernels. `pdl`:
+    launch with programmatic dependent launch (sm_90)."""
+    _, K, group = _check_norm_args(x, norm_weight, z, group_size)
+    check_shape("x", x, [1, K])
+    N, _ = _check_gemv_args(x, weight, bias)
+    cfg = norm_gemv_launch_config(N, group, x.device, config)
+    if cfg is None or N == 0:
+        h = gated_rms_norm_triton(
+            x, norm_weight, z, eps=eps, group_size=group_size,
+            norm_before_gate=norm_before_gate, pdl=pdl,
+        )  # fmt: skip
+        return gemv_triton(h, weight, bias, pdl=pdl)
+    x, z = _contiguous_rows(weight, x, z)
+    return _launch_norm_gemv(
+        cfg, x, z, None, None, norm_weight, weight, bias, group, True, norm_before_gate,
+        eps, pdl,
+    )  # fmt: skip
+
+
+def add_rms_norm_gemv_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    pdl: bool = False,
+    config: Mapping[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `add_rms_norm_gemv_ref` (same arguments, shapes and sum; the norm
+    inside the GEMV's one launch, see the module docstring for how it rounds). `pdl`:
+    launch with programmatic dependent launch (sm_90)."""
+    _, K = _check_add_norm_args(x, residual, norm_weight)
+    check_shape("x", x, [1, K])
+    check_shape("weight", weight, [None, K])
+    N = weight.shape[0]
+    if bias is not None:
+        check_shape("bias", bias, [N])
+    if weight.dtype != norm_weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise ValueError("norm_weight, weight and bias must share one dtype")
+    cfg = norm_gemv_launch_config(N, K, x.device, config)
+    if cfg is None or N == 0:
+        h, s = add_rms_norm_triton(x, residual, norm_weight, eps=eps, pdl=pdl)
+        return gemv_triton(h, weight, bias, pdl=pdl), s
+    x, residual = _contiguous_rows(weight, x, residual)
+    s = torch.empty_like(residual)
+    y = _launch_norm_gemv(
+        cfg, x, None, residual, s, norm_weight, weight, bias, K, False, False, eps, pdl
+    )
+    return y, s
+
+
+def gated_rms_norm_then_gemv(
+    norm: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor,
+    z: torch.Tensor | None,
+    **norm_args: Any,
+) -> torch.Tensor:
+    """`gated_rms_norm_gemv` as two kernels: `norm` (a gated_rms_norm), then F.linear.
+    What the op runs outside CUDA graphs, where the GEMV does not pay (see get_ops)."""
+    return F.linear(norm(x, norm_weight, z, **norm_args), weight, bias)
+
+
+def add_rms_norm_then_gemv(
+    add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    **norm_args: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm_gemv` as two kernels: `add_norm` (an add_rms_norm), then F.linear."""
+    h, s = add_norm(x, residual, norm_weight, **norm_args)
+    return F.linear(h, weight, bias), s
