@@ -252,18 +252,17 @@ def norm_gemv_launch_config(
     N: int, group_size: int, device: torch.device, config: Mapping[str, Any] | None = None
 ) -> dict[str, Any] | None:
     """The GEMV's launch parameters (`gemv_launch_config`) with K tiles that divide the
-    norm group (None when no power of two from 8 does: the launcher then runs the norm
-    and the GEMV apart, rather than walk K in slivers), and at most 1024 columns a
-    tile: every program reads the whole input row (and the residual or gate and the
-    norm weight) from L2, so a program takes at least 8 weight rows, and those reads
-    are a third of its bytes at most."""
+    norm group (None when no power of two from 16 does: the launcher then runs the norm
+    and the GEMV apart), and at most 1024 columns a tile: every program reads the whole
+    input row (and the residual or gate and the norm weight) from L2, so a program
+    takes at least 8 weight rows, a third of its bytes at most."""
     cfg = dict(config or {})
     if "block_k" not in cfg:
         block_k = 1024
-        while block_k >= 8 and group_size % block_k:
+        while block_k >= 16 and group_size % block_k:
             block_k //= 2
         cfg["block_k"] = block_k
-    if cfg["block_k"] < 8 or group_size % cfg["block_k"]:
+    if cfg["block_k"] < 16 or group_size % cfg["block_k"]:
         return None
     return gemv_launch_config(N, group_size, device, cfg)
 

@@ -14,12 +14,7 @@ from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.kernels import KernelOps
 from ssmserve.layers.batch import ForwardBatch
 from ssmserve.layers.cache import KVCache, KVCacheSpec
-from ssmserve.layers.linear import (
-    InputNorm,
-    QKVParallelLinear,
-    RowParallelLinear,
-    head_segment,
-)
+from ssmserve.layers.linear import QKVParallelLinear, RowParallelLinear, head_segment
 from ssmserve.layers.rotary import RotaryEmbedding
 
 # Prompts at least this long with no cached context use PyTorch's fused attention on the
@@ -94,13 +89,11 @@ class Attention(nn.Module):
         batch: ForwardBatch,
         cache: KVCache,
         qkv_delta: torch.Tensor | None = None,
-        norm: InputNorm | None = None,
     ) -> torch.Tensor:
         """`qkv_delta` (this rank's q/k/v columns, as qkv_proj gives them) is added to the
-        projection before RoPE: a per-use adapter's output (Zamba2's LoRA). `norm`: a norm
-        x still needs, which qkv_proj computes (see `linear`)."""
+        projection before RoPE: a per-use adapter's output (Zamba2's LoRA)."""
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x, norm=norm)
+        qkv = self.qkv_proj(x)
         if qkv_delta is not None:
             qkv = qkv + qkv_delta
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)

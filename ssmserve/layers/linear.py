@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -116,16 +115,14 @@ def row_sharded_parameter(
     return param
 
 
-class InputNorm(Protocol):
+@dataclass(frozen=True)
+class InputNorm:
     """A norm a linear's input still needs: `apply(x)` runs it as its own kernel,
-    `gemv(x, weight, bias)` inside the linear's one-row GEMV (a `*_norm_gemv` op), where
-    the linear would run one (see `linear`)."""
+    `gemv(x, weight, bias)` inside the linear's one-row GEMV (a `*_norm_gemv` op with
+    the norm's arguments bound), where the linear would run one."""
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor: ...
-
-    def gemv(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor: ...
+    apply: Callable[[torch.Tensor], torch.Tensor]
+    gemv: Callable[..., torch.Tensor]
 
 
 def linear(
@@ -167,9 +164,8 @@ class ColumnParallelLinear(nn.Module):
         """Each of `sizes` (stacked) split evenly over the ranks: a merged gate/up etc."""
         return cls(in_features, [Segment.even(n, tp) for n in sizes], bias)
 
-    def forward(self, x: torch.Tensor, norm: InputNorm | None = None) -> torch.Tensor:
-        """`norm`: a norm x still needs (see `linear`)."""
-        return linear(x, self.weight, self.bias, self.decode_gemv, norm)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.decode_gemv)
 
 
 class RowParallelLinear(nn.Module):

@@ -85,24 +85,6 @@ class Mamba2Shard:
         return cls(heads, tuple(distinct) if even else tuple(of_head))
 
 
-@dataclass(frozen=True)
-class GatedNorm:
-    """The gated RMSNorm before out_proj as out_proj's `InputNorm`: inside its one-row
-    GEMV at batch-1 decode, its own kernel elsewhere."""
-
-    ops: KernelOps
-    weight: torch.Tensor
-    args: dict
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.gated_rms_norm(x, self.weight, **self.args)
-
-    def gemv(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        return self.ops.gated_rms_norm_gemv(x, weight, bias, norm_weight=self.weight, **self.args)
-
-
 class Mamba2Mixer(nn.Module):
     """Parameter names follow HF (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj).
 
@@ -216,18 +198,11 @@ class Mamba2Mixer(nn.Module):
             self._A = -torch.exp(self.A_log.float())
         return self._A
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        batch: ForwardBatch,
-        cache: SSMState,
-        norm: InputNorm | None = None,
-    ) -> torch.Tensor:
-        """`norm`: a norm x still needs, which in_proj computes (see `linear`)."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: SSMState) -> torch.Tensor:
         H, P, N, G = self.num_heads, self.head_dim, self.state_size, self.n_groups
         I = self.intermediate_size  # noqa: E741
         nd = batch.num_decodes
-        zxbcdt = self.in_proj(x, norm=norm)
+        zxbcdt = self.in_proj(x)
         if self.in_proj_scale is not None:
             zxbcdt = zxbcdt * self.in_proj_scale
         z, xbc, dt = zxbcdt.split([I, self.conv_dim, H], dim=-1)
@@ -304,7 +279,13 @@ class Mamba2Mixer(nn.Module):
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         if self.norm is not None and self.norm_local and y.dtype == x.dtype:
             # Where out_proj runs a one-row GEMV (batch-1 decode), the norm runs inside it.
-            norm = GatedNorm(self.ops, self.norm.weight, self._local_norm_args(z))
+            kw = self._local_norm_args(z)
+            norm = InputNorm(
+                apply=functools.partial(self.ops.gated_rms_norm, weight=self.norm.weight, **kw),
+                gemv=functools.partial(
+                    self.ops.gated_rms_norm_gemv, norm_weight=self.norm.weight, **kw
+                ),
+            )
             return self.out_proj(y, norm=norm)
         return self.out_proj(self._gated_norm(y, z).to(x.dtype))
 

@@ -18,7 +18,6 @@ from ssmserve.layers.cache import (
 )
 from ssmserve.layers.linear import (
     ColumnParallelLinear,
-    InputNorm,
     RowParallelLinear,
     Segment,
     linear,
@@ -118,17 +117,10 @@ class MambaMixer(nn.Module):
             self._dt_bias = self.dt_proj.bias.float()
         return self._A, self._dt_bias
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        batch: ForwardBatch,
-        cache: SSMState,
-        norm: InputNorm | None = None,
-    ) -> torch.Tensor:
-        """`norm`: a norm x still needs, which in_proj computes (see `linear`)."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: SSMState) -> torch.Tensor:
         Dm, N = self.intermediate_size, self.state_size
         nd = batch.num_decodes
-        xs, z = self.in_proj(x, norm=norm).split([Dm, Dm], dim=-1)
+        xs, z = self.in_proj(x).split([Dm, Dm], dim=-1)
         conv_weight = self.conv1d.weight.view(Dm, self.conv_kernel)
         A, dt_bias = self._decay_rates()
         pieces = []

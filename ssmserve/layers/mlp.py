@@ -9,7 +9,7 @@ from transformers.activations import ACT2FN
 from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.kernels import KernelOps
 from ssmserve.kernels.activation import ACTIVATIONS
-from ssmserve.layers.linear import ColumnParallelLinear, InputNorm, RowParallelLinear, Segment
+from ssmserve.layers.linear import ColumnParallelLinear, RowParallelLinear, Segment
 
 
 class GatedMLP(nn.Module):
@@ -43,16 +43,10 @@ class GatedMLP(nn.Module):
         )
         self.act = ACT2FN[act]
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        gate_up_delta: torch.Tensor | None = None,
-        norm: InputNorm | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate_up_delta: torch.Tensor | None = None) -> torch.Tensor:
         """`gate_up_delta` (this rank's gate and up columns) is added to the fused
-        projection: a per-use adapter's output (Zamba2's LoRA). `norm`: a norm x still
-        needs, which gate_up_proj computes (see `linear`)."""
-        gate_up = self.gate_up_proj(x, norm=norm)
+        projection: a per-use adapter's output (Zamba2's LoRA)."""
+        gate_up = self.gate_up_proj(x)
         if gate_up_delta is not None:
             gate_up = gate_up + gate_up_delta
         if self.fused_act is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ssmserve.kernels import KernelOps
@@ -37,47 +36,3 @@ class RMSNorm(nn.Module):
             return self.ops.add_rms_norm(x, residual, self.weight, eps=self.eps)
         s = residual + x
         return self(s), s
-
-
-class AddNorm:
-    """The RMSNorm of `residual + x` as a linear's input (an `InputNorm` of x, the block
-    output before it): the first linear that reads it computes it, inside its one-row
-    GEMV where it runs one (batch-1 decode: the add and the norm then cost no kernel of
-    their own), and from then on `sum` is the residual stream after the add.
-
-    Rounded as `add_rms_norm` (the sum in the residual's dtype, normalised in the norm
-    weight's), which with one dtype throughout is `RMSNorm.add_forward`."""
-
-    def __init__(self, norm: RMSNorm, residual: torch.Tensor) -> None:
-        self.norm = norm
-        self.residual = residual
-        self._sum: torch.Tensor | None = None
-
-    @property
-    def sum(self) -> torch.Tensor:
-        if self._sum is None:
-            raise RuntimeError("AddNorm.sum is read before a linear computed the norm")
-        return self._sum
-
-    def _fusable(self, x: torch.Tensor) -> bool:
-        return self.norm.ops is not None and x.dtype == self.norm.weight.dtype
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fusable(x):
-            h, self._sum = self.norm.ops.add_rms_norm(
-                x, self.residual, self.norm.weight, eps=self.norm.eps
-            )
-        else:
-            h, self._sum = self.norm.add_forward(x, self.residual)
-        return h
-
-    def gemv(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        if not self._fusable(x):
-            return F.linear(self.apply(x), weight, bias)
-        y, self._sum = self.norm.ops.add_rms_norm_gemv(
-            x, weight, bias, residual=self.residual, norm_weight=self.norm.weight,
-            eps=self.norm.eps,
-        )  # fmt: skip
-        return y

@@ -9,7 +9,7 @@ from ssmserve.layers.batch import ForwardBatch
 from ssmserve.layers.cache import LayerCache, LayerCacheSpec
 from ssmserve.layers.embed import VocabParallelEmbedding
 from ssmserve.layers.mlp import GatedMLP
-from ssmserve.layers.norm import AddNorm, RMSNorm
+from ssmserve.layers.norm import RMSNorm
 from ssmserve.layers.rotary import RotaryEmbedding
 from ssmserve.models.base import (
     GATE_UP_RULES,
@@ -51,15 +51,13 @@ class BambaDecoderLayer(PreNormBlock):
             return LayerCacheSpec(kv=self.self_attn.cache_spec())
         return LayerCacheSpec(state=self.mamba.cache_spec())
 
-    takes_input_norm = True
-
-    def forward_residual(self, x, hidden, batch: ForwardBatch, cache: LayerCache, norm=None):
+    def forward_residual(self, x, hidden, batch: ForwardBatch, cache: LayerCache):
         if self.kind == "attention":
-            out = self.self_attn(x, batch, cache.kv, norm=norm)
+            out = self.self_attn(x, batch, cache.kv)
         else:
-            out = self.mamba(x, batch, cache.state, norm=norm)
-        post = AddNorm(self.pre_ff_layernorm, hidden if norm is None else norm.sum)
-        return self.feed_forward(out, norm=post), post.sum
+            out = self.mamba(x, batch, cache.state)
+        x, hidden = self.pre_ff_layernorm.add_forward(out, hidden)
+        return self.feed_forward(x), hidden
 
 
 class BambaForCausalLM(CausalLM):

@@ -15,7 +15,6 @@ from ssmserve.layers.batch import ForwardBatch
 from ssmserve.layers.cache import LayerCache, LayerCacheSpec
 from ssmserve.layers.embed import ParallelLMHead, VocabParallelEmbedding
 from ssmserve.layers.mamba2_mixer import Mamba2Mixer
-from ssmserve.layers.norm import AddNorm
 from ssmserve.layers.rotary import RotaryEmbedding
 
 # (checkpoint name fragment, module name fragment, shard id): a checkpoint tensor whose
@@ -51,23 +50,11 @@ class PreNormBlock(nn.Module):
         otherwise."""
         return self.input_layernorm
 
-    # Whether forward_residual takes `norm`: the block's first linear computes the
-    # previous block's residual add and this block's pre-norm (AddNorm), inside its
-    # one-row GEMV at batch-1 decode.
-    takes_input_norm = False
-
     def forward_residual(
-        self,
-        x: torch.Tensor,
-        hidden: torch.Tensor | None,
-        batch: ForwardBatch,
-        cache: LayerCache,
-        norm: AddNorm | None = None,
+        self, x: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: pre_norm(hidden); or, with `norm` (only where `takes_input_norm`), the
-        previous block's output, for the first linear to add to the residual stream and
-        normalise (then `hidden` is None and `norm.sum` the stream after the add).
-        Returns (the last branch's output, the residual stream before it is added)."""
+        """x: pre_norm(hidden). Returns (the last branch's output, the residual stream
+        before it is added)."""
         raise NotImplementedError
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
@@ -185,10 +172,6 @@ class CausalLM(nn.Module):
                 continue
             if out is None:
                 x = layer.pre_norm()(hidden)
-            elif layer.takes_input_norm:
-                norm = AddNorm(layer.pre_norm(), hidden)
-                out, hidden = layer.forward_residual(out, None, batch, caches[i], norm)
-                continue
             else:
                 x, hidden = layer.pre_norm().add_forward(out, hidden)
             out, hidden = layer.forward_residual(x, hidden, batch, caches[i])

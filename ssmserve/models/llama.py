@@ -8,7 +8,7 @@ from ssmserve.layers.batch import ForwardBatch
 from ssmserve.layers.cache import LayerCache, LayerCacheSpec
 from ssmserve.layers.embed import VocabParallelEmbedding
 from ssmserve.layers.mlp import GatedMLP
-from ssmserve.layers.norm import AddNorm, RMSNorm
+from ssmserve.layers.norm import RMSNorm
 from ssmserve.layers.rotary import RotaryEmbedding
 from ssmserve.models.base import (
     GATE_UP_RULES,
@@ -38,12 +38,10 @@ class LlamaDecoderLayer(PreNormBlock):
     def cache_spec(self) -> LayerCacheSpec:
         return LayerCacheSpec(kv=self.self_attn.cache_spec())
 
-    takes_input_norm = True
-
-    def forward_residual(self, x, hidden, batch: ForwardBatch, cache: LayerCache, norm=None):
-        out = self.self_attn(x, batch, cache.kv, norm=norm)
-        post = AddNorm(self.post_attention_layernorm, hidden if norm is None else norm.sum)
-        return self.mlp(out, norm=post), post.sum
+    def forward_residual(self, x, hidden, batch: ForwardBatch, cache: LayerCache):
+        out = self.self_attn(x, batch, cache.kv)
+        x, hidden = self.post_attention_layernorm.add_forward(out, hidden)
+        return self.mlp(x), hidden
 
 
 class LlamaForCausalLM(CausalLM):

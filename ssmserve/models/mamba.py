@@ -16,7 +16,7 @@ from ssmserve.layers.batch import ForwardBatch
 from ssmserve.layers.cache import LayerCache, LayerCacheSpec
 from ssmserve.layers.embed import VocabParallelEmbedding
 from ssmserve.layers.mamba_mixer import MambaMixer
-from ssmserve.layers.norm import AddNorm, RMSNorm
+from ssmserve.layers.norm import RMSNorm
 from ssmserve.models.base import CausalLM, ModelContext
 
 
@@ -74,8 +74,7 @@ class MambaStyleLM(CausalLM):
         """The blocks as HF runs them, each adding the residual (in float32 when
         residual_in_fp32) and feeding the sum on, with the same roundings; each add is
         fused into the next block's norm (`add_rms_norm`: one kernel for the add, the
-        cast and the norm), which the mixer's in_proj computes (`AddNorm`: at batch-1
-        decode inside its GEMV)."""
+        cast and the norm)."""
         layers = self.decoder_layers()
         residual, out = hidden, None
         for i in self.stage.layers:
@@ -83,11 +82,11 @@ class MambaStyleLM(CausalLM):
             if out is None:  # the stage's first block
                 x = block.norm(hidden.to(block.norm.weight.dtype))
                 residual = hidden.float() if block.residual_in_fp32 else hidden
-                out = block.mixer(x, batch, caches[i].state)
             else:
-                norm = AddNorm(block.norm, residual)
-                out = block.mixer(out, batch, caches[i].state, norm=norm)
-                residual = norm.sum
+                x, residual = self.ctx.ops.add_rms_norm(
+                    out, residual, block.norm.weight, eps=block.norm.eps
+                )
+            out = block.mixer(x, batch, caches[i].state)
         return residual + out if out is not None else residual
 
     @property
