@@ -39,8 +39,6 @@ _OPS: dict[str, tuple[str, str]] = {
     "moe_route": ("moe", "moe_route"),
     "fused_moe": ("moe", "fused_moe"),
     "gemv": ("gemv", "gemv"),
-    "gated_rms_norm_gemv": ("gemv", "gated_rms_norm_gemv"),
-    "add_rms_norm_gemv": ("gemv", "add_rms_norm_gemv"),
 }
 # Ops whose launchers take `pdl` (programmatic dependent launch, `get_ops(pdl=True)`):
 # the Triton kernels of a batch-1 decode step of the dense families. They launch so only
@@ -49,8 +47,6 @@ _OPS: dict[str, tuple[str, str]] = {
 # 87.7 ms on an H100 (docs/kernels.md); eagerly the one-row linears run F.linear.
 PDL_OPS = (
     "gemv",
-    "gated_rms_norm_gemv",
-    "add_rms_norm_gemv",
     "add_rms_norm",
     "gated_rms_norm",
     "mamba2_decode_update",
@@ -95,8 +91,6 @@ class KernelOps:
     moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_moe: Callable[..., torch.Tensor]
     gemv: Callable[..., torch.Tensor]
-    gated_rms_norm_gemv: Callable[..., torch.Tensor]
-    add_rms_norm_gemv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     pdl: bool = False
 
 
@@ -174,21 +168,13 @@ def get_ops(backend: str, device: torch.device | str, pdl: bool | None = False) 
         elif reason is not None:
             raise RuntimeError(f"decode_pdl: {reason}; run without --decode-pdl")
     if pdl:
-        from ssmserve.kernels import gemv
+        from ssmserve.kernels.gemv import gemv_ref
 
-        # Eagerly, one-row linears stay with cuBLAS (F.linear): the GEMV pays off only
-        # chained with PDL; a norm fused into it runs as its own kernel before.
-        eager_forms = {
-            "gemv": gemv.gemv_ref,
-            "gated_rms_norm_gemv": functools.partial(
-                gemv.gated_rms_norm_then_gemv, fns["gated_rms_norm"]
-            ),
-            "add_rms_norm_gemv": functools.partial(
-                gemv.add_rms_norm_then_gemv, fns["add_rms_norm"]
-            ),
-        }
         for field in PDL_OPS:
-            fns[field] = _pdl_in_scope(fns[field], eager_forms.get(field, fns[field]))
+            # Eagerly, one-row linears stay with cuBLAS (F.linear): the GEMV pays off
+            # only chained with PDL.
+            eager = gemv_ref if field == "gemv" else fns[field]
+            fns[field] = _pdl_in_scope(fns[field], eager)
     return KernelOps(backend=resolved, pdl=bool(pdl), **fns)
 
 

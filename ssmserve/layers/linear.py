@@ -115,32 +115,19 @@ def row_sharded_parameter(
     return param
 
 
-@dataclass(frozen=True)
-class InputNorm:
-    """A norm a linear's input still needs: `apply(x)` runs it as its own kernel,
-    `gemv(x, weight, bias)` inside the linear's one-row GEMV (a `*_norm_gemv` op with
-    the norm's arguments bound), where the linear would run one."""
-
-    apply: Callable[[torch.Tensor], torch.Tensor]
-    gemv: Callable[..., torch.Tensor]
-
-
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     gemv: Callable[..., torch.Tensor] | None = None,
-    norm: InputNorm | None = None,
 ) -> torch.Tensor:
-    """F.linear of x (of `norm`(x) with a norm), or for one row of x the module's
-    `decode_gemv` where the model runner set one (decode with programmatic dependent
-    launch, `get_ops(pdl=True)`: the GEMV in captured CUDA graphs, F.linear eagerly) and
-    the weight's rows are contiguous, as the GEMV reads them; the norm then runs inside
-    the GEMV (`norm.gemv`): at batch 1 a norm kernel is a single program on the step's
-    critical path."""
+    """F.linear, or for one row of x the module's `decode_gemv` where the model runner
+    set one (decode with programmatic dependent launch, `get_ops(pdl=True)`: the GEMV in
+    captured CUDA graphs, F.linear eagerly) and the weight's rows are contiguous, as the
+    GEMV reads them."""
     if gemv is not None and x.dim() == 2 and x.shape[0] == 1 and weight.stride(1) == 1:
-        return gemv(x, weight, bias) if norm is None else norm.gemv(x, weight, bias)
-    return F.linear(x if norm is None else norm.apply(x), weight, bias)
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -196,14 +183,13 @@ class RowParallelLinear(nn.Module):
         self.weight.weight_loader = load_columns
         self.bias = replicated_parameter(out_features) if bias else None
 
-    def forward(self, x: torch.Tensor, norm: InputNorm | None = None) -> torch.Tensor:
-        """`norm`: a norm x still needs, over this rank's columns (see `linear`)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gemv = self.decode_gemv
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias, gemv, norm)
+            return linear(x, self.weight, self.bias, gemv)
         if not self.reduce_results:
-            return linear(x, self.weight, self.bias if self.tp.rank == 0 else None, gemv, norm)
-        y = self.tp.all_reduce(linear(x, self.weight, None, gemv, norm))
+            return linear(x, self.weight, self.bias if self.tp.rank == 0 else None, gemv)
+        y = self.tp.all_reduce(linear(x, self.weight, None, gemv))
         return y if self.bias is None else y + self.bias
 
 

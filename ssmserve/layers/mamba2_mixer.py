@@ -33,7 +33,6 @@ from ssmserve.layers.cache import (
 )
 from ssmserve.layers.linear import (
     ColumnParallelLinear,
-    InputNorm,
     RowParallelLinear,
     Segment,
     head_segment,
@@ -277,33 +276,21 @@ class Mamba2Mixer(nn.Module):
                 ).reshape(num_prefill_tokens, I)
             )
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
-        if self.norm is not None and self.norm_local and y.dtype == x.dtype:
-            # Where out_proj runs a one-row GEMV (batch-1 decode), the norm runs inside it.
-            kw = self._local_norm_args(z)
-            norm = InputNorm(
-                apply=functools.partial(self.ops.gated_rms_norm, weight=self.norm.weight, **kw),
-                gemv=functools.partial(
-                    self.ops.gated_rms_norm_gemv, norm_weight=self.norm.weight, **kw
-                ),
-            )
-            return self.out_proj(y, norm=norm)
         return self.out_proj(self._gated_norm(y, z).to(x.dtype))
-
-    def _local_norm_args(self, z: torch.Tensor) -> dict:
-        """The gated norm's arguments when each of its groups lies on this rank."""
-        group = self.norm_group_size
-        return dict(
-            z=z,
-            eps=self.norm_eps,
-            group_size=None if group == self.intermediate_size else group,
-            norm_before_gate=self.norm_before_gate,
-        )
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         if self.norm is None:
             return y * F.silu(z)
         if self.norm_local:
-            return self.ops.gated_rms_norm(y, self.norm.weight, **self._local_norm_args(z))
+            group = self.norm_group_size
+            return self.ops.gated_rms_norm(
+                y,
+                self.norm.weight,
+                z,
+                eps=self.norm_eps,
+                group_size=None if group == self.intermediate_size else group,
+                norm_before_gate=self.norm_before_gate,
+            )
         # A normalisation group spans ranks: sum each group's squares over the ranks.
         gate = F.silu(z.float())
         h = y.float() if self.norm_before_gate else y.float() * gate
