@@ -8,8 +8,9 @@
 # COMMIT is recorded in every JSON (the device's copy of the tree has no .git). Each
 # section's JSON and log go to $OUT/SECTION/ (default benchmarks/results/raw/SECTION/),
 # and with $OUT set, each section is also packed as $OUT/SECTION.tgz, one file per
-# section. Sections run in the order given; one that fails is reported and the next one
-# still runs. A device call runs ten minutes at most: give each call sections that fit.
+# section; benchmarks/hybrid_vs_llama.py gathers their JSONs into the summary of the
+# issue's targets. Sections run in the order given; one that fails is reported and the
+# next one still runs. A device call runs ten minutes at most: give each call sections that fit.
 # Rough wall times on one H200, model loading included (2026-12):
 #
 #   tests        GPU kernel, model and CUDA-graph tests (a call of its own)      ~5 min
@@ -28,7 +29,8 @@
 #                Llama-3-8B b64 decode steps at 5k; Mamba2-2.7B 2k prefill   ~4 min
 #   latency      batch-1 decode at 2k: Bamba-9B, Llama-3-8B, Mamba2-2.7B, Mamba-2.8B ~5 min
 #   prefill      one 2k prefill (Mamba2-2.7B, caching on / off); Bamba-9B TTFT 32k, 128k ~6 min
-#   step         engine step minus forward, Bamba-9B at 256 running; Bamba b484 decode profile ~5 min
+#   step         engine step minus forward, Bamba-9B at 256 running; Bamba b256 decode step
+#                at 1.5k context (fp32 state); Bamba b484 decode profile          ~6 min
 #   throughput   256 x 1k in / 1k out: Bamba-9B, Llama-3-8B, Jamba-Mini-1.7  ~8 min
 #   long         1k in / 8k out at each model's largest batch, fp32 and bf16 state ~6 min
 set -uo pipefail
@@ -150,6 +152,9 @@ section() {
         python3 benchmarks/step_overhead.py --model "$configs/bamba-9b" "${dummy[@]}" \
             --num-requests 256 --input-len 1024 --output-len 160 --disable-tqdm \
             --json "$dir/step_overhead_bamba-9b_256.json" &&
+            python3 benchmarks/decode_profile.py --model "$configs/bamba-9b" "${dummy[@]}" \
+                --batch-size 256 --context 1536 --iters 10 --mamba-ssm-cache-dtype float32 \
+                --json "$dir/decode_profile_bamba-9b_b256_1.5k.json" &&
             python3 benchmarks/decode_profile.py --model "$configs/bamba-9b" "${dummy[@]}" \
                 --batch-size 484 --context 5120 --iters 5 --profile --profile-iters 2 --top 14 \
                 --json "$dir/decode_profile_bamba-9b_b484_5k.json"

@@ -530,3 +530,71 @@ def test_prefill_profile_splits_a_prompts_ttft_and_its_steps(checkpoint, tmp_pat
         assert report["steps"] == len(report["step_tokens"])
         step_tokens[report["prefix_caching"]] = report["step_tokens"]
     assert step_tokens == {True: [39, 1], False: [40]}
+
+
+def test_hybrid_vs_llama_gathers_each_measure_from_its_file(tmp_path):
+    """benchmarks/hybrid_vs_llama.py on published H200 results: each figure is the one its
+    source file holds (read here from the file itself), beside the issue's target, and a
+    measure given twice is refused."""
+    bench = load_benchmark("hybrid_vs_llama")
+    results = ROOT / "benchmarks" / "results"
+    names = [
+        "long_outputs_2026-12-02_h200.json",
+        "long_outputs_2026-12-05_h200_bf16_state.json",
+        "latency_2026-12-05_h200_mamba-2.8b_b1_2k.json",
+        "latency_2026-12-01d_h200_bamba9b_prefill_32k.json",
+        "step_overhead_2026-12-05_h200_bamba-9b_256.json",
+        "throughput_2026-12-02_h200_llama-3-8b_256x1k1k.json",
+        "prefill_profile_2026-12-06_h100_bamba-9b_32k_gqa.json",  # not a tracked measure
+    ]
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in names:
+        (run / name).write_bytes((results / name).read_bytes())
+    # Bamba's b256 decode forward counts at short context only: the 5k profile is left,
+    # the same at 1.5k taken (its context and a floor edited in: an H100 file has none).
+    name = "decode_profile_2026-12-06_h100_bamba-9b_b256_5k_pdl.json"
+    profile = {**json.loads((results / name).read_text()), "floor_ms": 30.0}
+    (run / "profile_5k.json").write_text(json.dumps(profile))
+    (run / "sub").mkdir()
+    (run / "sub" / "profile_1.5k.json").write_text(json.dumps({**profile, "context": 1536}))
+    bench.main([str(run), "--out", str(tmp_path / "summary")])
+    out = json.loads((tmp_path / "summary.json").read_text())
+    measures = out["measures"]
+
+    def source(name):
+        return json.loads((results / name).read_text())
+
+    long32, long16 = source(names[0]), source(names[1])
+    assert out["bamba9b_over_llama8b_1k_8k_output_tok_s"] == pytest.approx(
+        long32["bamba-9b_over_llama-3-8b_output_tok_s_float32"]
+    )
+    ratio16 = measures["bamba9b_over_llama8b_1k_8k_output_tok_s_16bit_state"]
+    assert ratio16["value"] == pytest.approx(
+        long16["bamba-9b_over_llama-3-8b_output_tok_s_bfloat16"]
+    )
+    assert ratio16["verdict"] == "missed" and ratio16["commit"] == long16["meta"]["commit"]
+    mamba = source(names[2])["results"]
+    assert out["decode_batch1_ms"]["mamba-2.8b"] == pytest.approx(
+        mamba["summary_s"]["decode_per_token"]["p50"] * 1e3
+    )
+    assert measures["decode_batch1_ms.mamba-2.8b"]["floor"] == pytest.approx(
+        mamba["floors_s"]["decode_per_token"] * 1e3
+    )
+    assert out["decode_batch1_ms"]["bamba-9b"] is None
+    assert measures["decode_batch1_ms.bamba-9b"]["verdict"] == "not measured"
+    ttft = source(names[3])["results"]["summary_s"]["ttft"]["p50"]
+    assert measures["ttft_s.32768"]["value"] == pytest.approx(ttft)
+    assert measures["ttft_s.32768"]["verdict"] == ("met" if ttft <= 1.0 else "missed")
+    assert out["step_overhead_ms_batch256"] == source(names[4])["overhead_ms"]
+    assert measures["step_overhead_ms_batch256"]["verdict"] == "met"
+    row = source(names[5])["results"][0]
+    llama = measures["throughput_256x1k1k_output_tok_s.llama-3-8b"]
+    assert llama["value"] == pytest.approx(row["output_tokens"] / row["seconds"])
+    forward = measures["decode_forward_over_floor.bamba-9b_b256"]
+    assert forward["value"] == pytest.approx(profile["step_ms"] / profile["floor_ms"])
+    assert forward["file"] == "profile_1.5k.json" and forward["target"] == "<= 1.15"
+    assert "| step_overhead_ms_batch256 | <= 1 |" in (tmp_path / "summary.md").read_text()
+    (run / "again.json").write_bytes((results / names[2]).read_bytes())
+    with pytest.raises(SystemExit, match="decode_batch1_ms.mamba-2.8b is given by"):
+        bench.main([str(run), "--out", str(tmp_path / "summary")])
