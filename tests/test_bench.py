@@ -594,6 +594,7 @@ def test_hybrid_vs_llama_gathers_each_measure_from_its_file(tmp_path):
     forward = measures["decode_forward_over_floor.bamba-9b_b256"]
     assert forward["value"] == pytest.approx(profile["step_ms"] / profile["floor_ms"])
     assert forward["file"] == "profile_1.5k.json" and forward["target"] == "<= 1.15"
+    assert forward["verdict"].startswith("none (target is for an H200; ran on NVIDIA H100")
     assert "| step_overhead_ms_batch256 | <= 1 |" in (tmp_path / "summary.md").read_text()
     (run / "again.json").write_bytes((results / names[2]).read_bytes())
     with pytest.raises(SystemExit, match="decode_batch1_ms.mamba-2.8b is given by"):
