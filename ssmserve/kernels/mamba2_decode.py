@@ -27,6 +27,7 @@ import torch
 from ssmserve.kernels._common import (
     cdiv,
     check_shape,
+    device_function,
     gdc_launch_dependents,
     gdc_wait,
     launch_config,
@@ -201,6 +202,47 @@ def conv_then_state_update(
 # ---------------------------------------------------------------------------- Triton
 
 
+@device_function
+def _head_inputs(
+    dt_ptr,
+    z_ptr,
+    A_ptr,
+    D_ptr,
+    dt_bias_ptr,
+    row,
+    head,
+    offs_p,
+    mask_p,
+    valid,
+    stride_dt_b,
+    stride_dt_h,
+    stride_z_b,
+    stride_z_h,
+    stride_z_p,
+    stride_a_h,
+    stride_d_h,
+    stride_bias_h,
+    HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+):
+    # What one head's state update reads besides its state and the conv outputs, in
+    # float32: dt + dt_bias (before softplus), A, D and the gate z (zeros without them).
+    dt_at = dt_ptr + row * stride_dt_b + head * stride_dt_h
+    dt = tl.load(dt_at, mask=valid, other=0.0).to(tl.float32)
+    if HAS_DT_BIAS:
+        dt += tl.load(dt_bias_ptr + head * stride_bias_h, mask=valid, other=0.0).to(tl.float32)
+    a = tl.load(A_ptr + head * stride_a_h, mask=valid, other=0.0).to(tl.float32)
+    d = dt * 0.0
+    if HAS_D:
+        d = tl.load(D_ptr + head * stride_d_h, mask=valid, other=0.0).to(tl.float32)
+    zv = tl.zeros_like(offs_p).to(tl.float32)
+    if HAS_Z:
+        z_at = z_ptr + row * stride_z_b + head * stride_z_h + offs_p * stride_z_p
+        zv = tl.load(z_at, mask=mask_p & valid, other=0.0).to(tl.float32)
+    return dt, a, d, zv
+
+
 # Not specialised, as in the unfused kernels: the slots and positions (views into the
 # step's packed inputs), the per-layer rounding key, the batch strides (a one-row batch
 # gets contiguous strides from torch) and the per-batch program layout.
@@ -336,6 +378,18 @@ def _mamba2_decode_kernel(
     b_x = tl.load(xbc_row + b_channels * stride_xbc_c, mask=mask_n & valid, other=0.0)
     c_x = tl.load(xbc_row + c_channels * stride_xbc_c, mask=mask_n & valid, other=0.0)
     next_x = tl.load(xbc_row + x_channels * stride_xbc_c, mask=mask_p & valid, other=0.0)
+    # The first head's dt, gate and per-head weights are loaded here, with x, B and C:
+    # the compiler cannot move a load above the window and state stores below (for all
+    # it knows they alias), so loaded in the head's turn each would be one more round
+    # trip after them. Later heads' are loaded one head ahead, like the state.
+    head_strides = (
+        stride_dt_b, stride_dt_h, stride_z_b, stride_z_h, stride_z_p, stride_a_h, stride_d_h,
+        stride_bias_h,
+    )  # fmt: skip
+    next_head = _head_inputs(
+        dt_ptr, z_ptr, A_ptr, D_ptr, dt_bias_ptr, row, first_head, offs_p, mask_p, valid,
+        *head_strides, HAS_D, HAS_Z, HAS_DT_BIAS,
+    )  # fmt: skip
     out_dtype = xbc_ptr.dtype.element_ty
     b, b_window = conv_apply(b_x, *b_in, out_dtype, KM1, HAS_CONV_BIAS, SILU, BLOCK_K)
     c, c_window = conv_apply(c_x, *c_in, out_dtype, KM1, HAS_CONV_BIAS, SILU, BLOCK_K)
@@ -392,16 +446,18 @@ def _mamba2_decode_kernel(
         next_x = tl.load(
             xbc_row + next_channels * stride_xbc_c, mask=mask_p & more & valid, other=0.0
         )
+        dt, a, d, zv = next_head
+        next_head = _head_inputs(
+            dt_ptr, z_ptr, A_ptr, D_ptr, dt_bias_ptr, row, head + 1, offs_p, mask_p & more,
+            valid & more, *head_strides, HAS_D, HAS_Z, HAS_DT_BIAS,
+        )  # fmt: skip
 
         # The state update on the conv outputs in registers (per-head dt, A, D, dt_bias).
-        dt = tl.load(dt_ptr + row * stride_dt_b + head * stride_dt_h).to(tl.float32)
-        if HAS_DT_BIAS:
-            dt += tl.load(dt_bias_ptr + head * stride_bias_h).to(tl.float32)
         if DT_SOFTPLUS:
             dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
         if CLAMP_DT:
             dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-        decay = tl.exp(dt * tl.load(A_ptr + head * stride_a_h).to(tl.float32))
+        decay = tl.exp(dt * a)
         state = state * decay + (dt * x)[:, None] * b[None, :]
         state_ptrs = state_tile + head * stride_ss_h
         store_state(
@@ -411,13 +467,8 @@ def _mamba2_decode_kernel(
 
         y = tl.sum(state * c[None, :], axis=1)
         if HAS_D:
-            y += tl.load(D_ptr + head * stride_d_h).to(tl.float32) * x
+            y += d * x
         if HAS_Z:
-            zv = tl.load(
-                z_ptr + row * stride_z_b + head * stride_z_h + offs_p * stride_z_p,
-                mask=mask_p,
-                other=0.0,
-            ).to(tl.float32)
             y *= zv / (1.0 + tl.exp(-zv))
         y = tl.where(valid, y, 0.0)
         tl.store(
