@@ -136,9 +136,6 @@ def _rotary_kernel(
     WRITE_KV: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     # One program per (token, head), q's heads first, then k's: rotate the first
     # 2 * half dims, copy the rest. With WRITE_KV a k head's program also writes the
     # rotated head and the token's v head into the caches (write_kv_cache's stores).
@@ -155,9 +152,28 @@ def _rotary_kernel(
         y_row = qy_ptr + t * stride_qy_t + h * stride_qy_h
     offs = tl.arange(0, BLOCK_HALF)
     mask = offs < half
+    if PDL:
+        gdc_launch_dependents()
+    # Before the wait, what no kernel of the step writes: the frequencies, the position
+    # and the cache slot (the step's inputs). After it every load comes before the first
+    # store: the compiler keeps a load below a store that may alias, a round trip more.
     angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(freq_ptr + offs, mask=mask, other=0.0)
+    if WRITE_KV:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        write = is_k & (slot >= 0)
+        offs_d = tl.arange(0, BLOCK_D)
+        keep_d = (offs_d < head_dim) & write
+    if PDL:
+        gdc_wait()
     a = tl.load(x_row + offs, mask=mask, other=0.0)
     b = tl.load(x_row + half + offs, mask=mask, other=0.0)
+    if BLOCK_REST > 0:
+        rest = 2 * half + tl.arange(0, BLOCK_REST)
+        keep = rest < head_dim
+        kept = tl.load(x_row + rest, mask=keep, other=0.0)
+    if WRITE_KV:
+        v_row = v_ptr + t * stride_v_t + kv_head * stride_v_h
+        vals = tl.load(v_row + offs_d, mask=keep_d, other=0.0)
     dtype = a.dtype
     cos = (tl.cos(angle) * scaling).to(dtype).to(tl.float32)
     sin = (tl.sin(angle) * scaling).to(dtype).to(tl.float32)
@@ -168,13 +184,8 @@ def _rotary_kernel(
     tl.store(y_row + offs, ra, mask=mask)
     tl.store(y_row + half + offs, rb, mask=mask)
     if BLOCK_REST > 0:
-        rest = 2 * half + tl.arange(0, BLOCK_REST)
-        keep = rest < head_dim
-        kept = tl.load(x_row + rest, mask=keep, other=0.0)
         tl.store(y_row + rest, kept, mask=keep)
     if WRITE_KV:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        write = is_k & (slot >= 0)
         kc_row = kc_ptr + (slot // block_size) * stride_kc_b + (slot % block_size) * stride_kc_o
         kc_row += kv_head * stride_kc_h
         kc_dtype = kc_ptr.dtype.element_ty
@@ -182,12 +193,8 @@ def _rotary_kernel(
         tl.store(kc_row + half + offs, rb.to(kc_dtype), mask=mask & write)
         if BLOCK_REST > 0:
             tl.store(kc_row + rest, kept.to(kc_dtype), mask=keep & write)
-        offs_d = tl.arange(0, BLOCK_D)
-        keep_d = (offs_d < head_dim) & write
-        v_row = v_ptr + t * stride_v_t + kv_head * stride_v_h
         vc_row = vc_ptr + (slot // block_size) * stride_vc_b + (slot % block_size) * stride_vc_o
         vc_row += kv_head * stride_vc_h
-        vals = tl.load(v_row + offs_d, mask=keep_d, other=0.0)
         tl.store(vc_row + offs_d, vals.to(vc_ptr.dtype.element_ty), mask=keep_d)
 
 
