@@ -46,20 +46,21 @@ def model_name(path: str) -> str:
 
 class Summary:
     def __init__(self) -> None:
-        self.values: dict[str, Any] = {}
-        self.floors: dict[str, float] = {}
-        self.sources: dict[str, dict[str, str]] = {}
+        # measure -> {"value", "floor", then where it came from: "file", "commit", ...}
+        self.measures: dict[str, dict[str, Any]] = {}
+
+    def value(self, key: str) -> float | None:
+        return self.measures.get(key, {}).get("value")
 
     def put(self, key: str, value: float, source: Path, meta: dict, floor: float | None = None):
-        if key in self.values:
+        if key in self.measures:
             raise SystemExit(
-                f"{key} is given by {self.sources[key]['file']} and by {source}: name the "
+                f"{key} is given by {self.measures[key]['file']} and by {source}: name the "
                 "folders of one run"
             )
-        self.values[key] = value
-        if floor is not None:
-            self.floors[key] = floor
-        self.sources[key] = {
+        self.measures[key] = {
+            "value": value,
+            "floor": floor,
             "file": source.name,
             "commit": meta.get("commit"),
             "command": meta.get("command"),
@@ -159,28 +160,22 @@ def verdict(key: str, value: float | None, device: str | None) -> str:
 
 
 def render(summary: Summary) -> tuple[dict, str]:
-    keys = sorted(set(TARGETS) | set(summary.values))
+    measures = {}
+    for key in sorted(set(TARGETS) | set(summary.measures)):
+        m = summary.measures.get(key, {"value": None, "floor": None})
+        target = None if key not in TARGETS else f"{TARGETS[key][1]} {TARGETS[key][0]:g}"
+        judged = verdict(key, m["value"], m.get("device"))
+        measures[key] = {**m, "target": target, "verdict": judged}
     out: dict[str, Any] = {
-        "bamba9b_over_llama8b_1k_8k_output_tok_s": summary.values.get(
+        "bamba9b_over_llama8b_1k_8k_output_tok_s": summary.value(
             "bamba9b_over_llama8b_1k_8k_output_tok_s"
         ),
-        "step_overhead_ms_batch256": summary.values.get("step_overhead_ms_batch256"),
+        "step_overhead_ms_batch256": summary.value("step_overhead_ms_batch256"),
         "decode_batch1_ms": {
-            m: summary.values.get(f"decode_batch1_ms.{m}")
+            m: summary.value(f"decode_batch1_ms.{m}")
             for m in ("bamba-9b", "llama-3-8b", "mamba2-2.7b", "mamba-2.8b")
         },
-        "measures": {
-            key: {
-                "value": summary.values.get(key),
-                "floor": summary.floors.get(key),
-                "target": None if key not in TARGETS else f"{TARGETS[key][1]} {TARGETS[key][0]:g}",
-                "verdict": verdict(
-                    key, summary.values.get(key), summary.sources.get(key, {}).get("device")
-                ),
-                **summary.sources.get(key, {}),
-            }
-            for key in keys
-        },
+        "measures": measures,
     }
     lines = [
         "| measure | target | value | floor | verdict | file (commit) |",
