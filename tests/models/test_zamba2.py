@@ -143,7 +143,10 @@ def test_tensor_parallel_2(zamba2):
 
 
 def test_pipeline_parallel_2_sends_the_embeddings_on(zamba2):
-    check_parallel(zamba2("adapters_rope"), PROMPTS[:3], pp=2)
+    # One process's chosen logprobs move by up to 7e-6 (relative) between token budgets
+    # of 3, 5, 7 and 64 alone; two stages' micro-batches by up to 1.1e-5 on a 2-core
+    # CPU (2026-12-07), past the default 1e-5 there but not on CI's machine.
+    check_parallel(zamba2("adapters_rope"), PROMPTS[:3], pp=2, rel_tol=2e-5)
 
 
 def test_tensor_parallel_3(zamba2):
