@@ -174,15 +174,6 @@ def device_function(fn: Callable[..., Any]) -> Callable[..., Any]:
     return triton.runtime.jit.JITFunction(fn) if HAS_TRITON else fn
 
 
-@device_function
-def prefetch_l2(ptrs):
-    # Ask L2 for the 128-byte lines holding `ptrs` and go on: nothing is loaded into
-    # registers and nothing waits. Inline PTX: on a GPU only (the interpreter has none).
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
 def lazy_jit(
     fn: Callable[..., None] | None = None, *, do_not_specialize: Sequence[str] = ()
 ) -> Any:

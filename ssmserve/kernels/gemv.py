@@ -4,9 +4,7 @@ A batch-1 decode step reads every weight once, a linear at a time, each waiting 
 kernel before it. cuBLAS reads the small ones well below bandwidth (its ramp and tail:
 Mamba2-2.7B's out_proj at 1.7x its floor). This kernel is written for programmatic
 dependent launch (`pdl=True`): a program loads its first weight tile (16 KB) before
-`gdc_wait()`, while the kernel before it still runs, and reads x only after it; where
-its rows span several tiles it also asks L2 for the rest of them (`prefetch.global.L2`, one
-per 128-byte line) before the wait, so its whole slice of the weight is on its way.
+`gdc_wait()`, while the kernel before it still runs, and reads x only after it.
 
 - A program owns `block_n` weight rows and walks K in `block_k`-column tiles (K is
   contiguous in nn.Linear's [N, K] layout, so each thread issues 16-byte loads), the
@@ -36,7 +34,6 @@ from ssmserve.kernels._common import (
     next_pow2,
     num_sms,
     pdl_launch,
-    prefetch_l2,
     tl,
 )
 
@@ -72,8 +69,7 @@ def gemv_launch_config(
     block_tile // block_k rows, halved while that leaves under two programs an SM: a
     narrow weight such as Mamba's x_proj, 192 rows, still spreads over the GPU),
     num_warps: 4, the fastest of bench_pdl.py's sweep on the H100 (2026-12-06: Mamba2-2.7B
-    chain 2.42 ms against 2.52 with 8; Llama-3-8B MLP 3.82 against 3.83); prefetch: with
-    PDL, the L2 prefetch of a program's other K tiles before the wait (on).
+    chain 2.42 ms against 2.52 with 8; Llama-3-8B MLP 3.82 against 3.83).
 
     Unless block_tile is given, a weight that would make under six programs an SM takes
     half the rows a program: more programs in flight hide each one's ramp and tail. On
@@ -85,8 +81,7 @@ def gemv_launch_config(
         block_k //= 2
     if K % block_k:
         block_k = min(next_pow2(K), 4096)
-    default = {"block_k": block_k, "block_tile": 8192, "num_warps": 4, "prefetch": True}
-    cfg = launch_config("gemv", default, config)
+    cfg = launch_config("gemv", {"block_k": block_k, "block_tile": 8192, "num_warps": 4}, config)
     block_n = max(1, cfg["block_tile"] // cfg["block_k"])
     # The interpreter has no SMs; a small stand-in lets CPU tests reach the halving.
     sms = num_sms(device) if device.type == "cuda" else 2
@@ -112,7 +107,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH_LINE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,13 +122,6 @@ def _gemv_kernel(
     else:
         w = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0)
     if PDL:
-        if PREFETCH_LINE:
-            # The program's other tiles are asked of L2 before the wait too, so its whole
-            # slice of the weight streams while the kernel before it finishes.
-            lines = tl.arange(0, BLOCK_K // PREFETCH_LINE) * PREFETCH_LINE
-            line_ptrs = w_ptr + rows[:, None] * stride_wn + lines[None, :]
-            for k0 in range(BLOCK_K, K, BLOCK_K):
-                prefetch_l2(line_ptrs + k0)
         gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K - BLOCK_K, BLOCK_K):
@@ -181,9 +168,6 @@ def gemv_triton(
     if weight.stride(1) != 1:
         raise ValueError("gemv needs the weight's rows contiguous (nn.Linear's layout)")
     cfg = gemv_launch_config(N, K, x.device, config)
-    even_k = K % cfg["block_k"] == 0
-    line = 128 // weight.element_size()  # elements in a 128-byte L2 line
-    prefetch = pdl and cfg["prefetch"] and even_k and K > cfg["block_k"] >= line
     _gemv_kernel[(cdiv(N, cfg["block_n"]),)](
         x,
         weight,
@@ -195,9 +179,8 @@ def gemv_triton(
         HAS_BIAS=bias is not None,
         BLOCK_N=cfg["block_n"],
         BLOCK_K=cfg["block_k"],
-        EVEN_K=even_k,
+        EVEN_K=K % cfg["block_k"] == 0,
         PDL=pdl,
-        PREFETCH_LINE=line if prefetch else 0,
         num_warps=cfg["num_warps"],
         **pdl_launch(pdl),
     )

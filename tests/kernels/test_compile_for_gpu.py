@@ -123,13 +123,6 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
         if kernel.name == "_paged_attention_kernel" and not kwargs["SEARCH_SEQS"]
         for option in ({"PREFETCH": True}, {"MASK_SKIP": False})
     ]
-    # And the GEMV that asks L2 for the rest of its rows before the wait (a weight wider
-    # than one tile; the tiny models' are one tile wide).
-    pdl_variants += [
-        (kernel, args, {**kwargs, "PREFETCH_LINE": kwargs["BLOCK_K"] // 2})
-        for kernel, args, kwargs in pdl_variants
-        if kernel.name == "_gemv_kernel" and kwargs["EVEN_K"]
-    ]
     pdl_names = {kernel.name for kernel, _, _ in pdl_variants}
     assert {
         "_gemv_kernel",

@@ -10,7 +10,6 @@ from kernel_testing import assert_close, randn, seeded
 from triton_testing import DEVICE, requires_triton
 
 from ssmserve.kernels import PDL_OPS, get_ops
-from ssmserve.kernels._common import pdl_unavailable_reason
 from ssmserve.kernels.gemv import gemv_launch_config, gemv_ref, gemv_triton
 
 
@@ -36,24 +35,6 @@ def test_triton_matches_float64_linear(dtype, bias, N, K, config):
     assert got.shape == (1, N) and got.dtype == dtype
     assert_close(got, want)
     assert_close(gemv_ref(x, w, b), want)
-
-
-@requires_triton
-@pytest.mark.skipif(
-    pdl_unavailable_reason(DEVICE) is not None, reason=str(pdl_unavailable_reason(DEVICE))
-)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_pdl_launch_with_and_without_the_l2_prefetch_matches_float64_linear(dtype, prefetch):
-    # Several K tiles (the prefetch asks L2 for all but the first before the wait) and a
-    # partial row tile.
-    gen = seeded(1)
-    N, K = 301, 2560
-    x = randn(1, K, gen=gen, dtype=dtype).to(DEVICE)
-    w = randn(N, K, gen=gen, dtype=dtype, scale=K**-0.5).to(DEVICE)
-    config = {"block_k": 512, "block_tile": 4096, "prefetch": prefetch}
-    got = gemv_triton(x, w, pdl=True, config=config)
-    assert_close(got, F.linear(x.double(), w.double()))
 
 
 def test_launch_config_picks_a_dividing_tile_and_enough_programs():
