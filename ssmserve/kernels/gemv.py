@@ -81,7 +81,14 @@ def gemv_launch_config(
         block_k //= 2
     if K % block_k:
         block_k = min(next_pow2(K), 4096)
-    cfg = launch_config("gemv", {"block_k": block_k, "block_tile": 8192, "num_warps": 4}, config)
+    default = {
+        "block_k": block_k,
+        "block_tile": 8192,
+        "num_warps": 4,
+        "persistent": False,
+        "programs_per_sm": 4,
+    }
+    cfg = launch_config("gemv", default, config)
     block_n = max(1, cfg["block_tile"] // cfg["block_k"])
     # The interpreter has no SMs; a small stand-in lets CPU tests reach the halving.
     sms = num_sms(device) if device.type == "cuda" else 2
@@ -147,6 +154,69 @@ def _gemv_kernel(
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
+@lazy_jit(do_not_specialize=["N", "blocks_per_program"])
+def _gemv_persistent_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_wn,
+    blocks_per_program,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # As `_gemv_kernel`, with a grid every program of which is resident at once: program
+    # p takes the row blocks p, p + grid, ... (`blocks_per_program` of them, the last
+    # maybe past N), walking them as one stream of (block, K tile) steps, so the next
+    # block's first tile is in flight while the current block's last one is summed.
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    steps = blocks_per_program * k_tiles
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    if PDL:
+        gdc_launch_dependents()
+    # The first tile, before the wait: no kernel writes the weights.
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0)
+    if PDL:
+        gdc_wait()
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for step in range(0, steps):
+        k0 = (step % k_tiles) * BLOCK_K
+        nxt = step + 1
+        # The next step's tile (the next block's first after a block's last); rows past
+        # N read the last row, and the step after the last reads nothing.
+        next_n = (pid + (nxt // k_tiles) * grid) * BLOCK_N + tl.arange(0, BLOCK_N)
+        next_rows = tl.minimum(next_n, N - 1).to(tl.int64)
+        next_k = (nxt % k_tiles) * BLOCK_K + offs_k
+        next_ptrs = w_ptr + next_rows[:, None] * stride_wn + next_k[None, :]
+        w_next = tl.load(next_ptrs, mask=(nxt < steps) & (next_k < K)[None, :], other=0.0)
+        if EVEN_K:
+            x = tl.load(x_ptr + k0 + offs_k)
+        else:
+            x = tl.load(x_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if step % k_tiles == k_tiles - 1:
+            out_n = (pid + (step // k_tiles) * grid) * BLOCK_N + tl.arange(0, BLOCK_N)
+            y = tl.sum(acc, axis=1)
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + out_n, mask=out_n < N, other=0.0).to(tl.float32)
+            tl.store(out_ptr + out_n, y.to(out_ptr.dtype.element_ty), mask=out_n < N)
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        w = w_next
+
+
 def gemv_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -168,7 +238,30 @@ def gemv_triton(
     if weight.stride(1) != 1:
         raise ValueError("gemv needs the weight's rows contiguous (nn.Linear's layout)")
     cfg = gemv_launch_config(N, K, x.device, config)
-    _gemv_kernel[(cdiv(N, cfg["block_n"]),)](
+    blocks = cdiv(N, cfg["block_n"])
+    if cfg["persistent"]:
+        # As many programs as fit at once, each the same number of blocks (within one).
+        sms = num_sms(x.device) if x.device.type == "cuda" else 2
+        per_program = cdiv(blocks, cfg["programs_per_sm"] * sms)
+        _gemv_persistent_kernel[(cdiv(blocks, per_program),)](
+            x,
+            weight,
+            bias,
+            out,
+            N,
+            K,
+            weight.stride(0),
+            per_program,
+            HAS_BIAS=bias is not None,
+            BLOCK_N=cfg["block_n"],
+            BLOCK_K=cfg["block_k"],
+            EVEN_K=K % cfg["block_k"] == 0,
+            PDL=pdl,
+            num_warps=cfg["num_warps"],
+            **pdl_launch(pdl),
+        )
+        return out
+    _gemv_kernel[(blocks,)](
         x,
         weight,
         bias,
