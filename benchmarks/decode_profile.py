@@ -18,9 +18,10 @@ copy bandwidth, or FLOPs over its matrix rate, whichever is larger).
 
 It measures the forward (and the LM head) only: no sampling, no host work between steps.
 The engine's own step at the same shape is what benchmarks/long_outputs.py times.
-`--attention-decode-config` sets launch parameters of the Triton decode attention for the
-run (`decode_launch_config`'s keys, over its defaults), so one device call can time a
-model step with and without one.
+`--attention-decode-config` and `--gemv-config` set launch parameters of the Triton decode
+attention and of the one-row GEMV for the run (`decode_launch_config`'s and
+`gemv_launch_config`'s keys, over their defaults), so one device call can time a model step
+with and without one.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ssmserve.bench.common import kernel_rows_table, kernel_table, run_metadata,
 from ssmserve.bench.floors import device_peaks, engine_costs, floor_s
 from ssmserve.config import EngineConfig, add_engine_args
 from ssmserve.engine.engine import LLMEngine
-from ssmserve.kernels import paged_attention
+from ssmserve.kernels import gemv, paged_attention
 from ssmserve.layers.batch import ForwardBatch, StepInputs
 
 
@@ -79,6 +80,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default={},
         help="decode attention launch parameters, JSON (e.g. '{\"mask_skip\": false}')",
     )
+    parser.add_argument(
+        "--gemv-config",
+        type=json.loads,
+        default={},
+        help="one-row GEMV launch parameters, JSON (e.g. '{\"persistent\": true}')",
+    )
     add_engine_args(parser)  # --max-num-seqs and --max-model-len follow the shape
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.context < 1 or args.iters < 1 or args.profile_iters < 1:
@@ -91,14 +98,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     except (ValueError, TypeError) as exc:
         parser.error(f"--attention-decode-config: {exc}")
+    try:
+        gemv.gemv_launch_config(1, 16, torch.device("cpu"), args.gemv_config)
+    except (ValueError, TypeError) as exc:
+        parser.error(f"--gemv-config: {exc}")
     return args
 
 
 @contextlib.contextmanager
-def decode_attention_overrides(overrides: dict[str, Any]):
-    """Within: the decode attention's launch parameters are `overrides` over its defaults
-    (a call's own config still wins)."""
-    default = paged_attention.decode_launch_config
+def launch_overrides(module: Any, name: str, overrides: dict[str, Any]):
+    """Within: the launch parameters `module.name` (a `*_launch_config` function taking
+    `config`) returns are `overrides` over its defaults (a call's own config still wins)."""
+    default = getattr(module, name)
     signature = inspect.signature(default)
 
     def with_overrides(*args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -106,16 +117,24 @@ def decode_attention_overrides(overrides: dict[str, Any]):
         bound.arguments["config"] = {**overrides, **(bound.arguments.get("config") or {})}
         return default(*bound.args, **bound.kwargs)
 
-    paged_attention.decode_launch_config = with_overrides
+    setattr(module, name, with_overrides)
     try:
         yield
     finally:
-        paged_attention.decode_launch_config = default
+        setattr(module, name, default)
+
+
+def decode_attention_overrides(overrides: dict[str, Any]):
+    """`launch_overrides` of the decode attention."""
+    return launch_overrides(paged_attention, "decode_launch_config", overrides)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    with decode_attention_overrides(args.attention_decode_config):
+    with (
+        decode_attention_overrides(args.attention_decode_config),
+        launch_overrides(gemv, "gemv_launch_config", args.gemv_config),
+    ):
         return profile(args)
 
 
@@ -161,6 +180,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         "bytes": step_bytes,
         "flops": step_flops,
         "attention_decode_config": args.attention_decode_config,
+        "gemv_config": args.gemv_config,
     }
     print(
         f"{engine.model_name}: batch {args.batch_size} at {args.context} tokens, "

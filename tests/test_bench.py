@@ -479,6 +479,21 @@ def test_decode_profile_sets_the_decode_attention_launch_parameters_for_its_run(
         bench.main(["--attention-decode-config", '{"nope": 1}'])
 
 
+def test_decode_profile_sets_the_gemv_launch_parameters_for_its_run():
+    """--gemv-config: as --attention-decode-config, for the one-row GEMV."""
+    from ssmserve.kernels import gemv
+
+    bench = load_benchmark("decode_profile")
+    shape = (4096, 2560, torch.device("cpu"))
+    before = gemv.gemv_launch_config(*shape)
+    with bench.launch_overrides(gemv, "gemv_launch_config", {"persistent": True}):
+        assert gemv.gemv_launch_config(*shape) == {**before, "persistent": True}
+        assert gemv.gemv_launch_config(*shape, {"persistent": False}) == before
+    assert gemv.gemv_launch_config(*shape) == before and before["persistent"] is False
+    with pytest.raises(SystemExit):
+        bench.main(["--gemv-config", '{"persistent": 1}'])
+
+
 @pytest.mark.parametrize("overlap", ["--overlap-steps", "--no-overlap-steps"])
 def test_step_overhead_times_the_steady_steps_against_their_forward(checkpoint, tmp_path, overlap):
     """benchmarks/step_overhead.py: 4 prompts of 8 tokens, 16 tokens a step, prefix caching
