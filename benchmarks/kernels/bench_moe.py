@@ -150,7 +150,7 @@ def sizes() -> None:
     for name, E, K, H, I in MODELS:  # noqa: E741
         for T in DECODE_T + PREFILL_T:
             inp = make_inputs(T, E, K, H, I)
-            cfg = moe_launch_config(T * K, E)
+            cfg = moe_launch_config(T * K, E, intermediate=I)
             timed(f"{name} T={T} eager", lambda inp=inp: fused_moe_triton(**inp), inp, config=cfg)
             if T in TWIN_T:
                 timed(f"{name} T={T} torch twin", lambda inp=inp: fused_moe_ref(**inp), inp)
@@ -168,7 +168,7 @@ def sweep() -> None:
         for T in SWEEP_T:
             inp = make_inputs(T, E, K, H, I)
             for override in SWEEP:
-                cfg = moe_launch_config(T * K, E, override)
+                cfg = moe_launch_config(T * K, E, override, I)
                 label = f"sweep {name} T={T} {override}"
                 try:
                     fn = lambda inp=inp, cfg=cfg: fused_moe_triton(**inp, config=cfg)  # noqa: E731

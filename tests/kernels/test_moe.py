@@ -288,6 +288,12 @@ def test_triton_launch_parameters_are_arguments_and_are_validated():
     ref = fused_moe_ref(*args)
     pinned = {"block_m": 32, "block_n": 16, "block_k": 16, "num_warps": 2}
     assert moe_launch_config(18, 4, pinned) == {**moe_launch_config(18, 4), **pinned}
+    # Prefill over large experts takes 128-row blocks once each expert has 128 rows.
+    jamba = moe_launch_config(8192, 16, intermediate=14336)
+    assert jamba == {**moe_launch_config(8192, 16), "block_m": 128}
+    assert moe_launch_config(8192, 16, intermediate=512)["block_m"] == 64
+    assert moe_launch_config(1024, 16, intermediate=14336)["block_m"] == 64  # 64 rows each
+    assert_close(fused_moe_triton(*args, config={**jamba, "block_n": 16, "block_k": 16}), ref)
     assert_close(fused_moe_triton(*args, config=pinned), ref)
     with pytest.raises(ValueError, match="unknown launch parameter"):
         fused_moe_triton(*args, config={"block_h": 16})
