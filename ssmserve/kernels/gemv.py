@@ -69,7 +69,8 @@ def gemv_launch_config(
     block_tile // block_k rows, halved while that leaves under two programs an SM: a
     narrow weight such as Mamba's x_proj, 192 rows, still spreads over the GPU),
     num_warps: 4, the fastest of bench_pdl.py's sweep on the H100 (2026-12-06: Mamba2-2.7B
-    chain 2.42 ms against 2.52 with 8; Llama-3-8B MLP 3.82 against 3.83).
+    chain 2.42 ms against 2.52 with 8; Llama-3-8B MLP 3.82 against 3.83); persistent:
+    the persistent kernel, `programs_per_sm` programs an SM (off: not yet timed).
 
     Unless block_tile is given, a weight that would make under six programs an SM takes
     half the rows a program: more programs in flight hide each one's ramp and tail. On
@@ -239,29 +240,13 @@ def gemv_triton(
         raise ValueError("gemv needs the weight's rows contiguous (nn.Linear's layout)")
     cfg = gemv_launch_config(N, K, x.device, config)
     blocks = cdiv(N, cfg["block_n"])
+    kernel, grid, extra = _gemv_kernel, blocks, ()
     if cfg["persistent"]:
         # As many programs as fit at once, each the same number of blocks (within one).
         sms = num_sms(x.device) if x.device.type == "cuda" else 2
-        per_program = cdiv(blocks, cfg["programs_per_sm"] * sms)
-        _gemv_persistent_kernel[(cdiv(blocks, per_program),)](
-            x,
-            weight,
-            bias,
-            out,
-            N,
-            K,
-            weight.stride(0),
-            per_program,
-            HAS_BIAS=bias is not None,
-            BLOCK_N=cfg["block_n"],
-            BLOCK_K=cfg["block_k"],
-            EVEN_K=K % cfg["block_k"] == 0,
-            PDL=pdl,
-            num_warps=cfg["num_warps"],
-            **pdl_launch(pdl),
-        )
-        return out
-    _gemv_kernel[(blocks,)](
+        each = cdiv(blocks, cfg["programs_per_sm"] * sms)
+        kernel, grid, extra = _gemv_persistent_kernel, cdiv(blocks, each), (each,)
+    kernel[(grid,)](
         x,
         weight,
         bias,
@@ -269,6 +254,7 @@ def gemv_triton(
         N,
         K,
         weight.stride(0),
+        *extra,  # the persistent kernel's blocks_per_program
         HAS_BIAS=bias is not None,
         BLOCK_N=cfg["block_n"],
         BLOCK_K=cfg["block_k"],
