@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ssmserve.kernels._common import (
     cdiv,
     check_shape,
+    device_function,
     gdc_launch_dependents,
     gdc_wait,
     launch_config,
@@ -101,6 +102,30 @@ def gemv_launch_config(
     return cfg
 
 
+@device_function
+def _first_tile(w_ptr, rows, offs_k, K, stride_wn, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    # A program's first weight tile over `rows`, read before the PDL wait (no kernel
+    # writes the weights); returns it and its pointers.
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    if PDL:
+        gdc_launch_dependents()
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0)
+    if PDL:
+        gdc_wait()
+    return w, w_ptrs
+
+
+@device_function
+def _x_tile(x_ptr, ks, K, EVEN_K: tl.constexpr):
+    # The input's columns `ks` (past K: zeros).
+    if EVEN_K:
+        return tl.load(x_ptr + ks)
+    return tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+
+
 @lazy_jit(do_not_specialize=["N"])
 def _gemv_kernel(
     x_ptr,
@@ -121,33 +146,20 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     # Rows past N read the last row (in bounds, unmasked); their sums are not stored.
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
-    if PDL:
-        gdc_launch_dependents()
-    # The first tile, before the wait: no kernel writes the weights.
-    if EVEN_K:
-        w = tl.load(w_ptrs)
-    else:
-        w = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0)
-    if PDL:
-        gdc_wait()
+    w, w_ptrs = _first_tile(w_ptr, rows, offs_k, K, stride_wn, EVEN_K, PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K - BLOCK_K, BLOCK_K):
         # Every tile but the last, the next one's load issued before this one's multiply.
         ks = k0 + offs_k
         if EVEN_K:
-            x = tl.load(x_ptr + ks)
             w_next = tl.load(w_ptrs + (k0 + BLOCK_K))
         else:
-            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
             w_next = tl.load(w_ptrs + (k0 + BLOCK_K), mask=(ks + BLOCK_K)[None, :] < K, other=0.0)
+        x = _x_tile(x_ptr, ks, K, EVEN_K)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w = w_next
     ks = tl.cdiv(K, BLOCK_K) * BLOCK_K - BLOCK_K + offs_k
-    if EVEN_K:
-        x = tl.load(x_ptr + ks)
-    else:
-        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+    x = _x_tile(x_ptr, ks, K, EVEN_K)
     acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -182,16 +194,7 @@ def _gemv_persistent_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    if PDL:
-        gdc_launch_dependents()
-    # The first tile, before the wait: no kernel writes the weights.
-    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
-    if EVEN_K:
-        w = tl.load(w_ptrs)
-    else:
-        w = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0)
-    if PDL:
-        gdc_wait()
+    w, _ = _first_tile(w_ptr, rows, offs_k, K, stride_wn, EVEN_K, PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for step in range(0, steps):
         k0 = (step % k_tiles) * BLOCK_K
@@ -203,10 +206,7 @@ def _gemv_persistent_kernel(
         next_k = (nxt % k_tiles) * BLOCK_K + offs_k
         next_ptrs = w_ptr + next_rows[:, None] * stride_wn + next_k[None, :]
         w_next = tl.load(next_ptrs, mask=(nxt < steps) & (next_k < K)[None, :], other=0.0)
-        if EVEN_K:
-            x = tl.load(x_ptr + k0 + offs_k)
-        else:
-            x = tl.load(x_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0)
+        x = _x_tile(x_ptr, k0 + offs_k, K, EVEN_K)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         if step % k_tiles == k_tiles - 1:
             out_n = (pid + (step // k_tiles) * grid) * BLOCK_N + tl.arange(0, BLOCK_N)
