@@ -20,8 +20,12 @@ It measures the forward (and the LM head) only: no sampling, no host work betwee
 The engine's own step at the same shape is what benchmarks/long_outputs.py times.
 `--attention-decode-config` and `--gemv-config` set launch parameters of the Triton decode
 attention and of the one-row GEMV for the run (`decode_launch_config`'s and
-`gemv_launch_config`'s keys, over their defaults), so one device call can time a model step
-with and without one.
+`gemv_launch_config`'s keys, over their defaults). `--variants` times several such sets in
+one process instead, each with its own CUDA graphs, taking turns over `--rounds` rounds of
+`--iters` steps (one model load, and drift between processes or over time falls on all of
+them alike):
+
+    --variants '[{}, {"gemv": {"persistent": true}}, {"attention": {"num_splits": 32}}]'
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import contextlib
 import inspect
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -40,6 +45,7 @@ import torch
 from ssmserve.bench.common import kernel_rows_table, kernel_table, run_metadata, write_json
 from ssmserve.bench.floors import device_peaks, engine_costs, floor_s
 from ssmserve.config import EngineConfig, add_engine_args
+from ssmserve.engine.cuda_graphs import DecodeGraphs
 from ssmserve.engine.engine import LLMEngine
 from ssmserve.kernels import gemv, paged_attention
 from ssmserve.layers.batch import ForwardBatch, StepInputs
@@ -86,22 +92,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default={},
         help="one-row GEMV launch parameters, JSON (e.g. '{\"persistent\": true}')",
     )
+    parser.add_argument(
+        "--variants",
+        type=json.loads,
+        default=None,
+        help="launch parameter sets to time in turn, a JSON list of objects with keys "
+        "'gemv' and 'attention' (e.g. '[{}, {\"gemv\": {\"persistent\": true}}]')",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="turns of each variant (3)")
     add_engine_args(parser)  # --max-num-seqs and --max-model-len follow the shape
     args = parser.parse_args(argv)
-    if args.batch_size < 1 or args.context < 1 or args.iters < 1 or args.profile_iters < 1:
-        parser.error("--batch-size, --context, --iters and --profile-iters must be positive")
+    if min(args.batch_size, args.context, args.iters, args.profile_iters, args.rounds) < 1:
+        parser.error(
+            "--batch-size, --context, --iters, --profile-iters and --rounds must be positive"
+        )
     if args.tensor_parallel_size * args.pipeline_parallel_size != 1:
         parser.error("decode_profile.py runs one device (tensor and pipeline size 1)")
-    try:  # unknown keys and bad values, before the model loads
-        paged_attention.decode_launch_config(
-            1, 1, 1, 16, 64, torch.device("cpu"), args.attention_decode_config
-        )
-    except (ValueError, TypeError) as exc:
-        parser.error(f"--attention-decode-config: {exc}")
-    try:
-        gemv.gemv_launch_config(1, 16, torch.device("cpu"), args.gemv_config)
-    except (ValueError, TypeError) as exc:
-        parser.error(f"--gemv-config: {exc}")
+    if args.variants is None:
+        args.variants = [{"gemv": args.gemv_config, "attention": args.attention_decode_config}]
+    elif args.gemv_config or args.attention_decode_config:
+        parser.error("--variants replaces --gemv-config and --attention-decode-config")
+    if not isinstance(args.variants, list) or not args.variants:
+        parser.error("--variants: a non-empty JSON list of objects")
+    for i, variant in enumerate(args.variants):
+        if not isinstance(variant, dict) or set(variant) - {"gemv", "attention"}:
+            parser.error(f"--variants[{i}]: an object with keys 'gemv' and 'attention' only")
+        variant.setdefault("gemv", {})
+        variant.setdefault("attention", {})
+        try:  # unknown keys and bad values, before the model loads
+            paged_attention.decode_launch_config(
+                1, 1, 1, 16, 64, torch.device("cpu"), variant["attention"]
+            )
+        except (ValueError, TypeError) as exc:
+            parser.error(f"attention decode config {variant['attention']}: {exc}")
+        try:
+            gemv.gemv_launch_config(1, 16, torch.device("cpu"), variant["gemv"])
+        except (ValueError, TypeError) as exc:
+            parser.error(f"GEMV config {variant['gemv']}: {exc}")
     return args
 
 
@@ -129,13 +156,18 @@ def decode_attention_overrides(overrides: dict[str, Any]):
     return launch_overrides(paged_attention, "decode_launch_config", overrides)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+@contextlib.contextmanager
+def variant_overrides(variant: dict[str, dict[str, Any]]):
+    """The launch parameters of one `--variants` entry, over the defaults."""
     with (
-        decode_attention_overrides(args.attention_decode_config),
-        launch_overrides(gemv, "gemv_launch_config", args.gemv_config),
+        decode_attention_overrides(variant["attention"]),
+        launch_overrides(gemv, "gemv_launch_config", variant["gemv"]),
     ):
-        return profile(args)
+        yield
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return profile(parse_args(argv))
 
 
 def profile(args: argparse.Namespace) -> dict[str, Any]:
@@ -145,23 +177,47 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.context + 1,
         enable_prefix_caching=False,
     )
-    engine = LLMEngine(config)
+    with variant_overrides(args.variants[0]):  # the engine's own graphs are the first's
+        engine = LLMEngine(config)
     runner, device = engine.executor.runner, engine.device
     packed = decode_step(engine, args.batch_size, args.context)
 
     def run() -> None:
         runner.execute(packed)
 
-    for _ in range(3):
-        run()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(args.iters):
-        run()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    step_s = (time.perf_counter() - start) / args.iters
+    def timed() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(args.iters):
+            run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - start) / args.iters
+
+    # Each further variant's graphs are captured under its launch parameters (a graph
+    # keeps the launches it was captured with; each set holds its own memory pool); eager
+    # steps read them at each launch, so every run of a variant is inside its overrides.
+    engine_graphs = runner.graphs
+    graphs = []
+    for i, variant in enumerate(args.variants):
+        with variant_overrides(variant):
+            if engine_graphs is not None and i > 0:
+                runner.graphs = DecodeGraphs(
+                    runner, engine_graphs.sizes[-1], engine_graphs.max_blocks
+                )
+                runner.graphs.capture()
+            graphs.append(runner.graphs)
+            for _ in range(3):
+                run()
+    times: list[list[float]] = [[] for _ in args.variants]
+    for _ in range(args.rounds):
+        for variant, variant_graphs, variant_times in zip(args.variants, graphs, times):
+            runner.graphs = variant_graphs
+            with variant_overrides(variant):
+                variant_times.append(timed())
+    runner.graphs = graphs[0]
+    step_s = statistics.median(times[0])
     costs = engine_costs(engine)
     peaks = device_peaks(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     step_bytes = costs.decode_step_bytes(args.batch_size, args.context)
@@ -179,16 +235,25 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         "floor_ms": None if floor is None else 1e3 * floor,
         "bytes": step_bytes,
         "flops": step_flops,
-        "attention_decode_config": args.attention_decode_config,
-        "gemv_config": args.gemv_config,
+        "attention_decode_config": args.variants[0]["attention"],
+        "gemv_config": args.variants[0]["gemv"],
+        "rounds": args.rounds,
+        "variants": [
+            {**variant, "step_ms": 1e3 * statistics.median(t), "rounds_ms": [1e3 * x for x in t]}
+            for variant, t in zip(args.variants, times)
+        ],
     }
-    print(
-        f"{engine.model_name}: batch {args.batch_size} at {args.context} tokens, "
-        f"{'graph replay' if report['graph'] else 'eager'}: {1e3 * step_s:.3f} ms/step"
-        + ("" if floor is None else f", floor {1e3 * floor:.3f} ms ({step_s / floor:.2f}x)")
-    )
-    if args.profile:
-        rows, busy = kernel_table(run, args.profile_iters, device)
+    for variant in report["variants"]:
+        print(
+            f"{engine.model_name}: batch {args.batch_size} at {args.context} tokens, "
+            f"{'graph replay' if report['graph'] else 'eager'}: {variant['step_ms']:.3f} ms/step"
+            + ("" if floor is None else f", floor {1e3 * floor:.3f} ms")
+            + f" (median of {args.rounds}; gemv {variant['gemv']}, attention "
+            f"{variant['attention']})"
+        )
+    if args.profile:  # the first variant's
+        with variant_overrides(args.variants[0]):
+            rows, busy = kernel_table(run, args.profile_iters, device)
         report["kernels"] = rows
         report["busy_us"] = busy
         what = "kernels" if device.type == "cuda" else "ops"

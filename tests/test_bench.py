@@ -494,6 +494,54 @@ def test_decode_profile_sets_the_gemv_launch_parameters_for_its_run():
         bench.main(["--gemv-config", '{"persistent": 1}'])
 
 
+def test_decode_profile_times_variants_in_turn_each_under_its_own_launch_parameters(
+    checkpoint, monkeypatch
+):
+    """--variants: every step of a variant (its warm-up, then one turn of --iters steps a
+    round) runs inside that variant's launch parameters, the variants taking turns; the
+    report gives each variant's rounds and their median, and the first one's as step_ms.
+    A bad variant is a usage error before any model loads."""
+    from ssmserve.engine.model_runner import ModelRunner
+    from ssmserve.kernels import gemv, paged_attention
+
+    seen = []
+    execute = ModelRunner.execute
+
+    def recording_execute(self, *args, **kwargs):
+        attention = paged_attention.decode_launch_config(1, 8, 4, 128, 256, torch.device("cpu"))
+        seen.append((gemv.gemv_launch_config(64, 64, torch.device("cpu"))["persistent"],
+                     attention["num_warps"]))  # fmt: skip
+        return execute(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "execute", recording_execute)
+    bench = load_benchmark("decode_profile")
+    variants = [{}, {"gemv": {"persistent": True}, "attention": {"num_warps": 2}}]
+    report = bench.main(
+        ["--model", checkpoint("bamba"), "--batch-size", "2", "--context", "9", "--iters", "2"]
+        + ["--rounds", "2", "--variants", json.dumps(variants), "--device", "cpu"]
+        + ["--dtype", "float32", "--cache-memory", str(24 * 2**20)]
+    )
+    default = (
+        False,
+        paged_attention.decode_launch_config(1, 8, 4, 128, 256, torch.device("cpu"))["num_warps"],
+    )
+    other = (True, 2)
+    assert default[1] != 2
+    assert seen == [default] * 3 + [other] * 3 + ([default] * 2 + [other] * 2) * 2
+    got = report["variants"]
+    assert [(v["gemv"], v["attention"]) for v in got] == [({}, {}), tuple(variants[1].values())]
+    for v in got:
+        assert len(v["rounds_ms"]) == 2 and min(v["rounds_ms"]) <= v["step_ms"] <= max(
+            v["rounds_ms"]
+        )
+    assert report["step_ms"] == got[0]["step_ms"]
+    for bad in ['[{"gemv": {"nope": 1}}]', '[{"other": {}}]', "[]", '{"gemv": {}}']:
+        with pytest.raises(SystemExit):
+            bench.main(["--variants", bad])
+    with pytest.raises(SystemExit):
+        bench.main(["--variants", "[{}]", "--gemv-config", '{"persistent": true}'])
+
+
 @pytest.mark.parametrize("overlap", ["--overlap-steps", "--no-overlap-steps"])
 def test_step_overhead_times_the_steady_steps_against_their_forward(checkpoint, tmp_path, overlap):
     """benchmarks/step_overhead.py: 4 prompts of 8 tokens, 16 tokens a step, prefix caching
