@@ -247,7 +247,11 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         print(
             f"{engine.model_name}: batch {args.batch_size} at {args.context} tokens, "
             f"{'graph replay' if report['graph'] else 'eager'}: {variant['step_ms']:.3f} ms/step"
-            + ("" if floor is None else f", floor {1e3 * floor:.3f} ms")
+            + (
+                ""
+                if floor is None
+                else f", floor {1e3 * floor:.3f} ms ({variant['step_ms'] / (1e3 * floor):.2f}x)"
+            )
             + f" (median of {args.rounds}; gemv {variant['gemv']}, attention "
             f"{variant['attention']})"
         )
