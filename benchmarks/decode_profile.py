@@ -25,7 +25,7 @@ one process instead, each with its own CUDA graphs, taking turns over `--rounds`
 `--iters` steps (one model load, and drift between processes or over time falls on all of
 them alike):
 
-    --variants '[{}, {"gemv": {"persistent": true}}, {"attention": {"num_splits": 32}}]'
+    --variants '[{}, {"gemv": {"num_warps": 8}}, {"attention": {"num_splits": 32}}]'
 """
 
 from __future__ import annotations
@@ -90,14 +90,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--gemv-config",
         type=json.loads,
         default={},
-        help="one-row GEMV launch parameters, JSON (e.g. '{\"persistent\": true}')",
+        help="one-row GEMV launch parameters, JSON (e.g. '{\"num_warps\": 8}')",
     )
     parser.add_argument(
         "--variants",
         type=json.loads,
         default=None,
         help="launch parameter sets to time in turn, a JSON list of objects with keys "
-        "'gemv' and 'attention' (e.g. '[{}, {\"gemv\": {\"persistent\": true}}]')",
+        "'gemv' and 'attention' (e.g. '[{}, {\"gemv\": {\"num_warps\": 8}}]')",
     )
     parser.add_argument("--rounds", type=int, default=3, help="turns of each variant (3)")
     add_engine_args(parser)  # --max-num-seqs and --max-model-len follow the shape

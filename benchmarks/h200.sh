@@ -24,9 +24,9 @@
 #                without PDL (prefetch, stages, mask_skip, 32-key tiles); a Llama-3-8B
 #                b64 step at 5k with the defaults, with mask_skip forced on, with 32-key tiles ~3 min
 #   b1           batch-1 decode step at 2k (graph replay) of Mamba2-2.7B, Mamba-2.8B,
-#                Llama-3-8B, Bamba-9B with the plain and the persistent GEMV (2 and 4
-#                programs an SM), and Llama-3-8B with one key tile a split (32): one
-#                process a model, the variants taking turns (decode_profile --variants) ~3 min
+#                Llama-3-8B, Bamba-9B, median of 3 rounds; VARIANTS (a JSON list's items,
+#                as decode_profile --variants takes them) adds launch parameter sets that
+#                take turns with the defaults in each model's process               ~2 min
 #   pdl          bench_pdl.py's chains; batch-1 Mamba2-2.7B, Bamba-9B without and with PDL ~3 min
 #   pdl2         the same for Mamba-2.8B and Llama-3-8B; Mamba2-2.7B profiles   ~3 min
 #   pdl3         PDL beyond batch 1, with and without: Bamba-9B b256 fp32 state and
@@ -107,15 +107,11 @@ section() {
                 --out "$dir/conv1d_update_h200.json"
         ;;
     b1)
-        local gemvs='{}, {"gemv": {"persistent": true}},
-            {"gemv": {"persistent": true, "programs_per_sm": 2}}'
         for model in mamba2-2.7b mamba-2.8b llama-3-8b bamba-9b; do
-            local extra=
-            [ $model = llama-3-8b ] && extra=', {"attention": {"num_splits": 32}}'
             python3 benchmarks/decode_profile.py --model "$configs/$model" "${dummy[@]}" \
                 --batch-size 1 --context 2048 --iters 200 --rounds 3 \
-                --variants "[$gemvs$extra]" --json "$dir/decode_profile_${model}_b1_2k.json" ||
-                return
+                --variants "[{}${VARIANTS:+, $VARIANTS}]" \
+                --json "$dir/decode_profile_${model}_b1_2k.json" || return
         done
         ;;
     pdl)

@@ -486,12 +486,12 @@ def test_decode_profile_sets_the_gemv_launch_parameters_for_its_run():
     bench = load_benchmark("decode_profile")
     shape = (4096, 2560, torch.device("cpu"))
     before = gemv.gemv_launch_config(*shape)
-    with bench.launch_overrides(gemv, "gemv_launch_config", {"persistent": True}):
-        assert gemv.gemv_launch_config(*shape) == {**before, "persistent": True}
-        assert gemv.gemv_launch_config(*shape, {"persistent": False}) == before
-    assert gemv.gemv_launch_config(*shape) == before and before["persistent"] is False
+    with bench.launch_overrides(gemv, "gemv_launch_config", {"num_warps": 8}):
+        assert gemv.gemv_launch_config(*shape) == {**before, "num_warps": 8}
+        assert gemv.gemv_launch_config(*shape, {"num_warps": 4}) == before
+    assert gemv.gemv_launch_config(*shape) == before and before["num_warps"] == 4
     with pytest.raises(SystemExit):
-        bench.main(["--gemv-config", '{"persistent": 1}'])
+        bench.main(["--gemv-config", '{"num_warps": 3}'])
 
 
 def test_decode_profile_times_variants_in_turn_each_under_its_own_launch_parameters(
@@ -509,23 +509,23 @@ def test_decode_profile_times_variants_in_turn_each_under_its_own_launch_paramet
 
     def recording_execute(self, *args, **kwargs):
         attention = paged_attention.decode_launch_config(1, 8, 4, 128, 256, torch.device("cpu"))
-        seen.append((gemv.gemv_launch_config(64, 64, torch.device("cpu"))["persistent"],
+        seen.append((gemv.gemv_launch_config(64, 64, torch.device("cpu"))["num_warps"],
                      attention["num_warps"]))  # fmt: skip
         return execute(self, *args, **kwargs)
 
     monkeypatch.setattr(ModelRunner, "execute", recording_execute)
     bench = load_benchmark("decode_profile")
-    variants = [{}, {"gemv": {"persistent": True}, "attention": {"num_warps": 2}}]
+    variants = [{}, {"gemv": {"num_warps": 8}, "attention": {"num_warps": 2}}]
     report = bench.main(
         ["--model", checkpoint("bamba"), "--batch-size", "2", "--context", "9", "--iters", "2"]
         + ["--rounds", "2", "--variants", json.dumps(variants), "--device", "cpu"]
         + ["--dtype", "float32", "--cache-memory", str(24 * 2**20)]
     )
     default = (
-        False,
+        4,
         paged_attention.decode_launch_config(1, 8, 4, 128, 256, torch.device("cpu"))["num_warps"],
     )
-    other = (True, 2)
+    other = (8, 2)
     assert default[1] != 2
     assert seen == [default] * 3 + [other] * 3 + ([default] * 2 + [other] * 2) * 2
     got = report["variants"]
@@ -539,7 +539,7 @@ def test_decode_profile_times_variants_in_turn_each_under_its_own_launch_paramet
         with pytest.raises(SystemExit):
             bench.main(["--variants", bad])
     with pytest.raises(SystemExit):
-        bench.main(["--variants", "[{}]", "--gemv-config", '{"persistent": true}'])
+        bench.main(["--variants", "[{}]", "--gemv-config", '{"num_warps": 8}'])
 
 
 @pytest.mark.parametrize("overlap", ["--overlap-steps", "--no-overlap-steps"])

@@ -70,8 +70,7 @@ def gemv_launch_config(
     block_tile // block_k rows, halved while that leaves under two programs an SM: a
     narrow weight such as Mamba's x_proj, 192 rows, still spreads over the GPU),
     num_warps: 4, the fastest of bench_pdl.py's sweep on the H100 (2026-12-06: Mamba2-2.7B
-    chain 2.42 ms against 2.52 with 8; Llama-3-8B MLP 3.82 against 3.83); persistent:
-    the persistent kernel, `programs_per_sm` programs an SM (off: not yet timed).
+    chain 2.42 ms against 2.52 with 8; Llama-3-8B MLP 3.82 against 3.83).
 
     Unless block_tile is given, a weight that would make under six programs an SM takes
     half the rows a program: more programs in flight hide each one's ramp and tail. On
@@ -87,8 +86,6 @@ def gemv_launch_config(
         "block_k": block_k,
         "block_tile": 8192,
         "num_warps": 4,
-        "persistent": False,
-        "programs_per_sm": 4,
     }
     cfg = launch_config("gemv", default, config)
     block_n = max(1, cfg["block_tile"] // cfg["block_k"])
@@ -167,57 +164,6 @@ def _gemv_kernel(
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
-@lazy_jit(do_not_specialize=["N", "blocks_per_program"])
-def _gemv_persistent_kernel(
-    x_ptr,
-    w_ptr,
-    bias_ptr,
-    out_ptr,
-    N,
-    K,
-    stride_wn,
-    blocks_per_program,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # As `_gemv_kernel`, with a grid every program of which is resident at once: program
-    # p takes the row blocks p, p + grid, ... (`blocks_per_program` of them, the last
-    # maybe past N), walking them as one stream of (block, K tile) steps, so the next
-    # block's first tile is in flight while the current block's last one is summed.
-    pid = tl.program_id(0)
-    grid = tl.num_programs(0)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    steps = blocks_per_program * k_tiles
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    w, _ = _first_tile(w_ptr, rows, offs_k, K, stride_wn, EVEN_K, PDL)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for step in range(0, steps):
-        k0 = (step % k_tiles) * BLOCK_K
-        nxt = step + 1
-        # The next step's tile (the next block's first after a block's last); rows past
-        # N read the last row, and the step after the last reads nothing.
-        next_n = (pid + (nxt // k_tiles) * grid) * BLOCK_N + tl.arange(0, BLOCK_N)
-        next_rows = tl.minimum(next_n, N - 1).to(tl.int64)
-        next_k = (nxt % k_tiles) * BLOCK_K + offs_k
-        next_ptrs = w_ptr + next_rows[:, None] * stride_wn + next_k[None, :]
-        w_next = tl.load(next_ptrs, mask=(nxt < steps) & (next_k < K)[None, :], other=0.0)
-        x = _x_tile(x_ptr, k0 + offs_k, K, EVEN_K)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        if step % k_tiles == k_tiles - 1:
-            out_n = (pid + (step // k_tiles) * grid) * BLOCK_N + tl.arange(0, BLOCK_N)
-            y = tl.sum(acc, axis=1)
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + out_n, mask=out_n < N, other=0.0).to(tl.float32)
-            tl.store(out_ptr + out_n, y.to(out_ptr.dtype.element_ty), mask=out_n < N)
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        w = w_next
-
-
 def gemv_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -239,14 +185,7 @@ def gemv_triton(
     if weight.stride(1) != 1:
         raise ValueError("gemv needs the weight's rows contiguous (nn.Linear's layout)")
     cfg = gemv_launch_config(N, K, x.device, config)
-    blocks = cdiv(N, cfg["block_n"])
-    kernel, grid, extra = _gemv_kernel, blocks, ()
-    if cfg["persistent"]:
-        # As many programs as fit at once, each the same number of blocks (within one).
-        sms = num_sms(x.device) if x.device.type == "cuda" else 2
-        each = cdiv(blocks, cfg["programs_per_sm"] * sms)
-        kernel, grid, extra = _gemv_persistent_kernel, cdiv(blocks, each), (each,)
-    kernel[(grid,)](
+    _gemv_kernel[(cdiv(N, cfg["block_n"]),)](
         x,
         weight,
         bias,
@@ -254,7 +193,6 @@ def gemv_triton(
         N,
         K,
         weight.stride(0),
-        *extra,  # the persistent kernel's blocks_per_program
         HAS_BIAS=bias is not None,
         BLOCK_N=cfg["block_n"],
         BLOCK_K=cfg["block_k"],

@@ -23,10 +23,7 @@ from ssmserve.kernels.gemv import gemv_launch_config, gemv_ref, gemv_triton
         (37, 40, None),  # no power of two from 16 divides K: one masked tile
         (37, 48, {"block_tile": 64}),  # 4 rows a program, N not a multiple: a partial tile
         (5, 200, {"block_k": 64, "block_tile": 128}),  # 2 rows, 4 K tiles, the last masked
-        # Persistent: 38 blocks over 8 programs (5 each, the last ones past N), 5 K tiles;
-        # then blocks of one masked tile over one program an SM.
-        (301, 2560, {"block_k": 512, "block_tile": 4096, "persistent": True}),
-        (100, 40, {"block_tile": 64, "persistent": True, "programs_per_sm": 1}),
+        (301, 2560, {"block_k": 512, "block_tile": 4096}),  # 5 K tiles, a partial row block
     ],
 )
 def test_triton_matches_float64_linear(dtype, bias, N, K, config):
