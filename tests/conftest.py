@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.tiny_models import make_tiny_checkpoint
+
+# What the processes started from here (the pytest-xdist workers, torchrun ranks, servers)
+# start with; the variables are read at process start, so not by this process.
+# - One intra-op thread: two workers share the two cores of the CI machine, and with two
+#   threads each the idle threads spin (tests/test_engine.py under -n 2: 220 s against 38).
+# - glibc keeps freed memory for reuse: the tests allocate and free large CPU tensors every
+#   step (the PyTorch twins' intermediates: 200 MB at a time in Mamba1's scan), and by
+#   default glibc returns blocks over 32 MB to the kernel at each free and trims the heap's
+#   top, so each new one faults its pages in again (test_engine.py serially: 79 of 116 s in
+#   the kernel, 2 s with this).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault(
+    "GLIBC_TUNABLES",
+    "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=1073741824",
+)
 
 # Each variant covers something the HF-parity tests must see: tied and untied
 # embeddings, attention first and last, n_groups > 1, GQA and MQA, odd dimensions.

@@ -2,7 +2,7 @@
 
 The product never patches Triton; this harness does, because Triton 3.6's interpreter has
 two problems that would make CPU results depend on the numpy version and on import order,
-and one that makes it needlessly slow:
+and two that make it needlessly slow:
 
 1. It holds scalars as shape-(1,) arrays and converts them with `int(array)`, which numpy
    >= 2.4 rejects, so `for i in range(start, end)` with a runtime bound fails
@@ -15,14 +15,20 @@ and one that makes it needlessly slow:
    scalars (the Mamba1 selective scan spent 147 of a test's 200 s there). A combine
    function is elementwise, so calling it once per position along the scan axis, on the
    whole slice, computes every element with the same operations in the same order.
+4. It checks every 32-bit integer add, subtract and multiply for overflow (cast both sides
+   to int64, redo the operation, compare with the bounds, assert): compiled kernels do that
+   only with debug on, and the tests' shapes are far from 2^31. The check is switched off
+   (`sanitize_overflow`): a whole-model test (`test_one_row_gemv_gives_the_tokens_of_f_linear
+   [bamba]`) took 62 s with it and 38 s without.
 
-Both patches apply only while the interpreter runs a launch: the interpreter installs and
-restores its own patches around each launch, and these ride on that.
+The first three patches apply only while the interpreter runs a launch: the interpreter
+installs and restores its own patches around each launch, and these ride on that.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 from collections.abc import Iterator
@@ -32,7 +38,7 @@ _MARK = "_ssmserve_tests_patch"
 
 
 def patch_interpreter() -> None:
-    """Install the two workarounds above (idempotent; no-op without triton)."""
+    """Install the workarounds above (idempotent; no-op without triton)."""
     if importlib.util.find_spec("triton") is None:
         return
     from triton.runtime import interpreter
@@ -55,6 +61,10 @@ def patch_interpreter() -> None:
 
     interpreter._patch_lang_tensor = patched
     interpreter.ScanOps.generic_scan = _scan_by_slices
+    # 4. above: builders made later and the one already made check no integer overflow.
+    options = functools.partial(interpreter.InterpreterOptions, sanitize_overflow=False)
+    interpreter.InterpreterOptions = options
+    interpreter.interpreter_builder.options = options()
     setattr(interpreter, _MARK, True)
 
 
