@@ -11,7 +11,8 @@ from tests.tiny_models import make_tiny_checkpoint
 # What the processes started from here (the pytest-xdist workers, torchrun ranks, servers)
 # start with; the variables are read at process start, so not by this process.
 # - One intra-op thread: two workers share the two cores of the CI machine, and with two
-#   threads each the idle threads spin (tests/test_engine.py under -n 2: 220 s against 38).
+#   threads each the idle threads spin (tests/test_engine.py under -n 2 on this 2-core
+#   machine: 220 s with neither setting, 190 s with the next one alone, 38 s with both).
 # - glibc keeps freed memory for reuse: the tests allocate and free large CPU tensors every
 #   step (the PyTorch twins' intermediates: 200 MB at a time in Mamba1's scan), and by
 #   default glibc returns blocks over 32 MB to the kernel at each free and trims the heap's
