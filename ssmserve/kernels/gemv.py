@@ -100,22 +100,6 @@ def gemv_launch_config(
 
 
 @device_function
-def _first_tile(w_ptr, rows, offs_k, K, stride_wn, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    # A program's first weight tile over `rows`, read before the PDL wait (no kernel
-    # writes the weights); returns it and its pointers.
-    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
-    if PDL:
-        gdc_launch_dependents()
-    if EVEN_K:
-        w = tl.load(w_ptrs)
-    else:
-        w = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0)
-    if PDL:
-        gdc_wait()
-    return w, w_ptrs
-
-
-@device_function
 def _x_tile(x_ptr, ks, K, EVEN_K: tl.constexpr):
     # The input's columns `ks` (past K: zeros).
     if EVEN_K:
@@ -143,7 +127,16 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     # Rows past N read the last row (in bounds, unmasked); their sums are not stored.
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    w, w_ptrs = _first_tile(w_ptr, rows, offs_k, K, stride_wn, EVEN_K, PDL)
+    # The first weight tile before the PDL wait (no kernel writes the weights).
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    if PDL:
+        gdc_launch_dependents()
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0)
+    if PDL:
+        gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K - BLOCK_K, BLOCK_K):
         # Every tile but the last, the next one's load issued before this one's multiply.
