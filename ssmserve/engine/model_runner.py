@@ -51,10 +51,13 @@ class ModelRunner:
         self.ops = get_ops(config.kernel_backend, device, pdl=config.decode_pdl)
         self.model = self._build_model(model_config)
         if self.ops.pdl:
-            # The linears of one row (batch-1 decode) chain with the other PDL kernels.
+            # The linears of one row (batch-1 decode) chain with the other PDL kernels;
+            # a gated MLP's gate_up and act(gate) * up are one of them.
             for module in self.model.modules():
                 if hasattr(module, "decode_gemv"):
                     module.decode_gemv = self.ops.gemv
+                if hasattr(module, "decode_gemv_act_and_mul"):
+                    module.decode_gemv_act_and_mul = self.ops.gemv_act_and_mul
         self.cache_specs = self.model.cache_specs()
         self.rounding_seeds = self._rounding_seeds()
         self.caches: list[LayerCache] = []

@@ -39,6 +39,7 @@ _OPS: dict[str, tuple[str, str]] = {
     "moe_route": ("moe", "moe_route"),
     "fused_moe": ("moe", "fused_moe"),
     "gemv": ("gemv", "gemv"),
+    "gemv_act_and_mul": ("gemv", "gemv_act_and_mul"),
 }
 # Ops whose launchers take `pdl` (programmatic dependent launch, `get_ops(pdl=True)`):
 # the Triton kernels of a batch-1 decode step of the dense families. They launch so only
@@ -56,6 +57,7 @@ PDL_OPS = (
     "write_kv_cache",
     "paged_attention",
     "act_and_mul",
+    "gemv_act_and_mul",
 )
 # What "hopper" runs instead of the Triton-language op: field -> (module, function).
 _HOPPER_OPS: dict[str, tuple[str, str]] = {
@@ -91,6 +93,7 @@ class KernelOps:
     moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_moe: Callable[..., torch.Tensor]
     gemv: Callable[..., torch.Tensor]
+    gemv_act_and_mul: Callable[..., torch.Tensor]
     pdl: bool = False
 
 
@@ -168,12 +171,13 @@ def get_ops(backend: str, device: torch.device | str, pdl: bool | None = False) 
         elif reason is not None:
             raise RuntimeError(f"decode_pdl: {reason}; run without --decode-pdl")
     if pdl:
-        from ssmserve.kernels.gemv import gemv_ref
+        from ssmserve.kernels.gemv import gemv_act_and_mul_ref, gemv_ref
 
+        # Eagerly, one-row linears stay with cuBLAS (F.linear): the GEMV pays off only
+        # chained with PDL.
+        eager_refs = {"gemv": gemv_ref, "gemv_act_and_mul": gemv_act_and_mul_ref}
         for field in PDL_OPS:
-            # Eagerly, one-row linears stay with cuBLAS (F.linear): the GEMV pays off
-            # only chained with PDL.
-            eager = gemv_ref if field == "gemv" else fns[field]
+            eager = eager_refs.get(field, fns[field])
             fns[field] = _pdl_in_scope(fns[field], eager)
     return KernelOps(backend=resolved, pdl=bool(pdl), **fns)
 

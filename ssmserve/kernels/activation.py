@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ssmserve.kernels._common import (
     check_shape,
+    device_function,
     gdc_launch_dependents,
     gdc_wait,
     lazy_jit,
@@ -54,6 +55,23 @@ def act_and_mul_ref(gate_up: torch.Tensor, *, act: str, pdl: bool = False) -> to
 # ---------------------------------------------------------------------------- Triton
 
 
+@device_function
+def act_and_mul_tile(g, u, ACT: tl.constexpr):
+    """act(g) * u for tiles g and u in the output dtype: float32 arithmetic, the
+    activation rounded to that dtype before the product (ACT: an `ACT_CODES` value)."""
+    gf = g.to(tl.float32)
+    if ACT == 0:  # silu
+        a = gf / (1.0 + tl.exp(-gf))
+    elif ACT == 1:  # gelu (erf)
+        a = 0.5 * gf * (1.0 + tl.erf(gf * 0.7071067811865476))
+    elif ACT == 2:  # gelu, tanh approximation
+        inner = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
+        a = 0.5 * gf * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
+    else:  # relu
+        a = tl.maximum(gf, 0.0)
+    return (a.to(g.dtype).to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+
+
 @lazy_jit
 def _act_and_mul_kernel(
     x_ptr,
@@ -73,21 +91,10 @@ def _act_and_mul_kernel(
     mask = offs < inter
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     u = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0)
-    gf = g.to(tl.float32)
-    if ACT == 0:  # silu
-        a = gf / (1.0 + tl.exp(-gf))
-    elif ACT == 1:  # gelu (erf)
-        a = 0.5 * gf * (1.0 + tl.erf(gf * 0.7071067811865476))
-    elif ACT == 2:  # gelu, tanh approximation
-        inner = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
-        a = 0.5 * gf * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
-    else:  # relu
-        a = tl.maximum(gf, 0.0)
-    out = a.to(g.dtype).to(tl.float32) * u.to(tl.float32)
-    tl.store(y_ptr + row * stride_y + offs, out.to(g.dtype), mask=mask)
+    tl.store(y_ptr + row * stride_y + offs, act_and_mul_tile(g, u, ACT), mask=mask)
 
 
-_ACT_CODES = {"silu": 0, "swish": 0, "gelu": 1, "gelu_pytorch_tanh": 2, "relu": 3}
+ACT_CODES = {"silu": 0, "swish": 0, "gelu": 1, "gelu_pytorch_tanh": 2, "relu": 3}
 
 
 def act_and_mul_triton(gate_up: torch.Tensor, *, act: str, pdl: bool = False) -> torch.Tensor:
@@ -105,7 +112,7 @@ def act_and_mul_triton(gate_up: torch.Tensor, *, act: str, pdl: bool = False) ->
         inter,
         gate_up.stride(0),
         y.stride(0),
-        ACT=_ACT_CODES[act],
+        ACT=ACT_CODES[act],
         BLOCK=block,
         PDL=pdl,
         **pdl_launch(pdl),

@@ -13,6 +13,13 @@ dependent launch (`pdl=True`): a program loads its first weight tile (16 KB) bef
 - `block_k` is the largest power of two up to 4096 dividing K (then no masks), and
   `block_n` holds `block_tile` weight elements a program (8192: 16 KB of bf16).
 
+`gemv_act_and_mul` is a gated MLP's gate_up projection and its act(gate) * up in one
+launch: a program's tile rows pair gate row j with up row j (the weight is gate's rows,
+then up's), so it streams the same bytes in tiles of the same shape as the GEMV of the
+whole weight, sums each row the same way, and stores act(gate) * up instead of both.
+Every value is rounded as the GEMV and `act_and_mul` round theirs, so it gives their
+result bit for bit, and a launch and the [1, 2I] round trip fewer per layer.
+
 benchmarks/kernels/bench_pdl.py measures it against F.linear in decode-shaped chains.
 """
 
@@ -37,6 +44,12 @@ from ssmserve.kernels._common import (
     pdl_launch,
     tl,
 )
+from ssmserve.kernels.activation import (
+    ACT_CODES,
+    _check_act_args,
+    act_and_mul_ref,
+    act_and_mul_tile,
+)
 
 
 def _check_gemv_args(
@@ -60,6 +73,22 @@ def gemv_ref(
     bias, [1, N] in x's dtype: exactly F.linear. `pdl` is the Triton launcher's."""
     _check_gemv_args(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def gemv_act_and_mul_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """x [1, K], weight [2I, K] (gate's rows, then up's), bias [2I] or None ->
+    act(gate) * up, [1, I] in x's dtype: `act_and_mul` of F.linear. `pdl` is the Triton
+    launcher's."""
+    N, _ = _check_gemv_args(x, weight, bias)
+    _check_act_args(x.new_empty(0, N), act)
+    return act_and_mul_ref(F.linear(x, weight, bias), act=act)
 
 
 def gemv_launch_config(
@@ -120,13 +149,21 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    ACT: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    # ACT < 0: y = x W^T + b, N rows. ACT >= 0 (an activation code): out = act(gate) *
+    # up with N = I, the tile's rows interleaved: row 2i is gate row j, 2i + 1 up row j
+    # (weight row j + N), for the BLOCK_N // 2 outputs j of the program.
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    # Rows past N read the last row (in bounds, unmasked); their sums are not stored.
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    if ACT < 0:
+        offs_n = pid * BLOCK_N + offs
+        # Rows past N read the last row (in bounds, unmasked); their sums are not stored.
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    else:
+        rows = (tl.minimum(pid * (BLOCK_N // 2) + offs // 2, N - 1) + (offs % 2) * N).to(tl.int64)
     # The first weight tile before the PDL wait (no kernel writes the weights).
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     if PDL:
@@ -154,7 +191,51 @@ def _gemv_kernel(
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows).to(tl.float32)
-    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+    y = y.to(out_ptr.dtype.element_ty)
+    if ACT < 0:
+        tl.store(out_ptr + offs_n, y, mask=offs_n < N)
+    else:
+        gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+        offs_out = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + offs_out, act_and_mul_tile(gate, up, ACT), mask=offs_out < N)
+
+
+def _launch_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    act: str | None,
+    pdl: bool,
+    config: Mapping[str, Any] | None,
+) -> torch.Tensor:
+    """`out` = the GEMV of x (or act(gate) * up of it, with `act`)."""
+    N, K = weight.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        raise ValueError("gemv needs the weight's rows contiguous (nn.Linear's layout)")
+    cfg = gemv_launch_config(N, K, x.device, config)
+    # A gated program's tile holds its output rows' gate and up rows: at least one pair.
+    block_n = cfg["block_n"] if act is None else max(2, cfg["block_n"])
+    _gemv_kernel[(cdiv(N, block_n),)](
+        x,
+        weight,
+        bias,
+        out,
+        N if act is None else N // 2,
+        K,
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=cfg["block_k"],
+        EVEN_K=K % cfg["block_k"] == 0,
+        ACT=-1 if act is None else ACT_CODES[act],
+        PDL=pdl,
+        num_warps=cfg["num_warps"],
+        **pdl_launch(pdl),
+    )
+    return out
 
 
 def gemv_triton(
@@ -173,25 +254,27 @@ def gemv_triton(
         return out
     if K == 0:
         return out.zero_() if bias is None else out.copy_(bias[None])
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if weight.stride(1) != 1:
-        raise ValueError("gemv needs the weight's rows contiguous (nn.Linear's layout)")
-    cfg = gemv_launch_config(N, K, x.device, config)
-    _gemv_kernel[(cdiv(N, cfg["block_n"]),)](
-        x,
-        weight,
-        bias,
-        out,
-        N,
-        K,
-        weight.stride(0),
-        HAS_BIAS=bias is not None,
-        BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"],
-        EVEN_K=K % cfg["block_k"] == 0,
-        PDL=pdl,
-        num_warps=cfg["num_warps"],
-        **pdl_launch(pdl),
-    )
-    return out
+    return _launch_gemv(x, weight, bias, out, None, pdl, config)
+
+
+def gemv_act_and_mul_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act: str,
+    pdl: bool = False,
+    config: Mapping[str, Any] | None = None,
+) -> torch.Tensor:
+    """Triton twin of `gemv_act_and_mul_ref` (same arguments and shapes): bit for bit
+    `act_and_mul_triton` of `gemv_triton` at the same tile shape (`config` is the GEMV's
+    for the whole [2I, K] weight; a tile of one row takes two, a gate and an up row)."""
+    N, K = _check_gemv_args(x, weight, bias)
+    _, inter = _check_act_args(x.new_empty(0, N), act)
+    out = torch.empty(1, inter, dtype=x.dtype, device=x.device)
+    if inter == 0:
+        return out
+    if K == 0:
+        gate_up = x.new_zeros(1, N) if bias is None else bias[None].clone()
+        return out.copy_(act_and_mul_ref(gate_up, act=act))
+    return _launch_gemv(x, weight, bias, out, act, pdl, config)

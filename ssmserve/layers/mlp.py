@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
@@ -14,7 +16,12 @@ from ssmserve.layers.linear import ColumnParallelLinear, RowParallelLinear, Segm
 
 class GatedMLP(nn.Module):
     """gate and up fused in one column-parallel matrix (shards 0 and 1), down row-parallel
-    (`reduce_results=False`: this rank's partial sum, see RowParallelLinear)."""
+    (`reduce_results=False`: this rank's partial sum, see RowParallelLinear).
+
+    For one row, `decode_gemv_act_and_mul` (where the model runner set one: batch-1
+    decode with PDL) computes the gate_up projection and act(gate) * up in one launch."""
+
+    decode_gemv_act_and_mul: Callable[..., torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -46,6 +53,17 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, gate_up_delta: torch.Tensor | None = None) -> torch.Tensor:
         """`gate_up_delta` (this rank's gate and up columns) is added to the fused
         projection: a per-use adapter's output (Zamba2's LoRA)."""
+        fused, weight = self.decode_gemv_act_and_mul, self.gate_up_proj.weight
+        if (
+            fused is not None
+            and self.fused_act is not None
+            and gate_up_delta is None
+            and x.dim() == 2
+            and x.shape[0] == 1
+            and weight.stride(1) == 1
+        ):
+            gated = fused(x, weight, self.gate_up_proj.bias, act=self.act_name)
+            return self.down_proj(gated)
         gate_up = self.gate_up_proj(x)
         if gate_up_delta is not None:
             gate_up = gate_up + gate_up_delta

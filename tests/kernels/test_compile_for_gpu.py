@@ -24,7 +24,7 @@ from triton_testing import DEVICE, requires_triton
 
 from ssmserve import LLM, SamplingParams
 from ssmserve.kernels._common import LazyKernel
-from ssmserve.kernels.gemv import gemv_triton
+from ssmserve.kernels.gemv import gemv_act_and_mul_triton, gemv_triton
 from ssmserve.kernels.paged_attention import write_kv_cache_triton
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -80,10 +80,13 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
     for family, shape in shapes.items():
         path = make_tiny_checkpoint(str(tmp_path / family), family, seed=0, **shape)
         llm = LLM(path, **common)
-        # The one-row linears through the GEMV, as decode with PDL runs them.
+        # The one-row linears through the GEMV, as decode with PDL runs them (a gated
+        # MLP's gate_up with its act(gate) * up).
         for module in llm.llm_engine.executor.runner.model.modules():
             if hasattr(module, "decode_gemv"):
                 module.decode_gemv = gemv_triton
+            if hasattr(module, "decode_gemv_act_and_mul"):
+                module.decode_gemv_act_and_mul = gemv_act_and_mul_triton
         llm.generate(prompts[:1], params, use_tqdm=False)  # one row alone
         llm.generate(prompts, params, use_tqdm=False)
         del llm
@@ -94,6 +97,8 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
     write_kv_cache_triton(kv, kv, cache, cache.clone(), torch.tensor([3], device=DEVICE))
     monkeypatch.undo()
     names = {name for name, _ in launches}
+    gemv_acts = {kw["ACT"] for k, _, kw in launches.values() if k.name == "_gemv_kernel"}
+    assert -1 in gemv_acts and any(act >= 0 for act in gemv_acts), gemv_acts
     # RoPE writes the K/V into the cache in its launch.
     rope = {kw["WRITE_KV"] for k, _, kw in launches.values() if k.name == "_rotary_kernel"}
     assert rope == {True}, rope

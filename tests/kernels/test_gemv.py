@@ -10,7 +10,14 @@ from kernel_testing import assert_close, randn, seeded
 from triton_testing import DEVICE, requires_triton
 
 from ssmserve.kernels import PDL_OPS, get_ops
-from ssmserve.kernels.gemv import gemv_launch_config, gemv_ref, gemv_triton
+from ssmserve.kernels.activation import ACTIVATIONS, act_and_mul_ref, act_and_mul_triton
+from ssmserve.kernels.gemv import (
+    gemv_act_and_mul_ref,
+    gemv_act_and_mul_triton,
+    gemv_launch_config,
+    gemv_ref,
+    gemv_triton,
+)
 
 
 @requires_triton
@@ -36,6 +43,43 @@ def test_triton_matches_float64_linear(dtype, bias, N, K, config):
     assert got.shape == (1, N) and got.dtype == dtype
     assert_close(got, want)
     assert_close(gemv_ref(x, w, b), want)
+
+
+@requires_triton
+@pytest.mark.parametrize("act", [a for a in ACTIVATIONS if a != "swish"])
+@pytest.mark.parametrize("dtype,bias", [(torch.float32, True), (torch.bfloat16, False)])
+@pytest.mark.parametrize(
+    "inter, K, config",
+    [
+        (37, 48, None),  # 16 rows (8 pairs) a program, the last block partial
+        (19, 40, {"block_tile": 64}),  # 4 rows a program, one masked K tile
+        (5, 200, {"block_k": 64, "block_tile": 128}),  # one pair a program, 4 K tiles
+        (3, 64, {"block_k": 64, "block_tile": 64}),  # the GEMV's one row: a pair here
+    ],
+)
+def test_gated_gemv_is_act_and_mul_of_the_gemv(act, dtype, bias, inter, K, config):
+    """gemv_act_and_mul: act(gate) * up of the [2I, K] weight's GEMV, every output bit
+    for bit what the GEMV then act_and_mul give at the same tile shape (a gate row and
+    its up row paired in one tile), and close to the float64 reference."""
+    gen = seeded(1)
+    x = randn(1, K, gen=gen, dtype=dtype).to(DEVICE)
+    w = randn(2 * inter, K, gen=gen, dtype=dtype, scale=K**-0.5).to(DEVICE)
+    b = randn(2 * inter, gen=gen, dtype=dtype).to(DEVICE) if bias else None
+    got = gemv_act_and_mul_triton(x, w, b, act=act, config=config)
+    assert got.shape == (1, inter) and got.dtype == dtype
+    if gemv_launch_config(2 * inter, K, x.device, config)["block_n"] >= 2:  # same tiles
+        unfused = act_and_mul_triton(gemv_triton(x, w, b, config=config), act=act)
+        assert torch.equal(got, unfused)
+    f64 = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert_close(got, act_and_mul_ref(f64, act=act))
+    assert_close(gemv_act_and_mul_ref(x, w, b, act=act), act_and_mul_ref(f64, act=act))
+
+
+def test_gated_gemv_refuses_what_act_and_mul_refuses():
+    with pytest.raises(ValueError, match="act_and_mul supports"):
+        gemv_act_and_mul_ref(torch.zeros(1, 4), torch.zeros(6, 4), act="tanh")
+    with pytest.raises(ValueError, match="must be even"):
+        gemv_act_and_mul_ref(torch.zeros(1, 4), torch.zeros(5, 4), act="silu")
 
 
 def test_launch_config_picks_a_dividing_tile_and_enough_programs():
