@@ -41,7 +41,7 @@ from bench_common import (
     run_sections,
 )
 
-from ssmserve.kernels import _common
+from ssmserve.kernels import mamba2_decode
 from ssmserve.kernels.causal_conv1d import causal_conv1d_update_triton
 from ssmserve.kernels.mamba2_decode import (
     conv_then_state_update,
@@ -117,7 +117,7 @@ def floor(Bt: int, H: int, P: int, N: int, G: int) -> float:
 def counters_zero() -> bool:
     return all(
         int(buf.abs().sum()) == 0
-        for buffers in _common.ARRIVAL_COUNTERS.values()
+        for buffers in mamba2_decode._ARRIVAL_COUNTERS.values()
         for buf in buffers
     )
 

@@ -211,31 +211,6 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# NOTE: arrival counters, for kernels whose programs count themselves in so that the last
-# of a set does the set's final work (`mamba2_decode.py`, `paged_attention.py`): one int32
-# buffer per device, shared by every kernel, layer and launch, all zeros between launches
-# (each launch resets what it counts). Launches on one stream touch it one after another
-# (with programmatic dependent launch too: a kernel touches it only after its
-# `gdc_wait()`), so sharing is safe. A buffer is never freed, because a captured CUDA
-# graph keeps the address it was captured with, and never allocated while a graph is
-# being captured.
-ARRIVAL_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def arrival_counters(device: torch.device, numel: int, op: str) -> torch.Tensor:
-    """At least `numel` zeroed int32 counters for one launch of `op` on `device`."""
-    buffers = ARRIVAL_COUNTERS.setdefault(device, [])
-    if buffers and buffers[-1].numel() >= numel:
-        return buffers[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"{op} needs {numel} arrival counters, which are allocated at its first eager "
-            "call of that size; make one eager call before capturing the CUDA graph"
-        )
-    buffers.append(torch.zeros(max(1024, next_pow2(numel)), dtype=torch.int32, device=device))
-    return buffers[-1]
-
-
 def check_shape(name: str, t: torch.Tensor, shape: Sequence[int | None]) -> None:
     """Raise ValueError unless `t` has `shape` (None entries match any size)."""
     # A plain loop: this runs for every argument of every kernel launch of a prefill

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from ssmserve.kernels._common import (
-    arrival_counters,
     cdiv,
     check_shape,
     device_function,
@@ -527,6 +526,29 @@ def decode_update_launch_config(
     return cfg
 
 
+# NOTE: the (slot, group) arrival counters: one int32 buffer per device, shared by every
+# layer and launch, all zeros between launches (each launch resets what it counts).
+# Launches on one stream touch them one after another (with programmatic dependent
+# launch too: a kernel touches them only after its `gdc_wait()`), so sharing is safe. A
+# buffer is never freed, because a captured CUDA graph keeps the address it was captured
+# with, and never allocated while a graph is being captured.
+_ARRIVAL_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _arrival_counters(device: torch.device, numel: int) -> torch.Tensor:
+    buffers = _ARRIVAL_COUNTERS.setdefault(device, [])
+    if buffers and buffers[-1].numel() >= numel:
+        return buffers[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"mamba2_decode_update needs {numel} arrival counters (state rows x n_groups), "
+            "which are allocated at the first eager call with that state pool; make one "
+            "eager call before capturing the CUDA graph"
+        )
+    buffers.append(torch.zeros(max(1024, next_pow2(numel)), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
 def mamba2_decode_update_triton(
     xbc: torch.Tensor,
     conv_state: torch.Tensor,
@@ -551,7 +573,7 @@ def mamba2_decode_update_triton(
 ) -> torch.Tensor:
     """Triton twin of `mamba2_decode_update_ref` (same arguments, shapes and result), one
     launch. No host sync: safe under CUDA graphs once called eagerly with the state pool
-    (see `arrival_counters`). `pdl`: launch with programmatic dependent launch (sm_90);
+    (see `_arrival_counters`). `pdl`: launch with programmatic dependent launch (sm_90);
     each program loads its first head's state before waiting for the kernel before it.
     `config` overrides launch parameters (see `decode_update_launch_config`; benchmarks
     and tests only).
@@ -565,7 +587,7 @@ def mamba2_decode_update_triton(
         return y
     cfg = decode_update_launch_config(P, N, H // G, Bt * G, xbc.device, config)
     block_p, heads_per_program = cfg["block_p"], cfg["heads_per_program"]
-    arrivals = arrival_counters(ssm_state.device, ssm_state.shape[0] * G, "mamba2_decode_update")
+    arrivals = _arrival_counters(ssm_state.device, ssm_state.shape[0] * G)
     lo, hi = dt_limit
     rounding = 0
     if rounding_offsets is not None and ssm_state.dtype in ROUNDED_DTYPES:

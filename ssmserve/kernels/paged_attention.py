@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from ssmserve.kernels._common import (
-    arrival_counters,
     check_shape,
     device_function,
     gdc_launch_dependents,
@@ -283,8 +282,7 @@ def write_kv_cache_triton(
 # in s, so a binary search maps a program to its sequence with no host-side metadata.
 # Decode (SEARCH_SEQS false): program id = sequence, and the context may be split over
 # num_splits programs (flash-decoding, SPLIT_KV), each writing a normalised partial output
-# and its log2-sum-exp; `_merge_splits_kernel` combines them, or with FUSED_MERGE the last
-# split program of each (sequence, KV head) to finish does. Counts that follow the batch
+# and its log2-sum-exp; `_merge_splits_kernel` combines them. Counts that follow the batch
 # (sequences, search steps, splits, the block table's width) are runtime values, so one
 # compiled kernel per path serves every batch.
 
@@ -387,49 +385,6 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@device_function
-def _merge_head(
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    part,
-    q_start,
-    head,
-    num_splits,
-    Dh,
-    stride_o_t,
-    stride_o_h,
-    stride_o_d,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """One query head's output from its `num_splits` partials, the first at index `part`:
-    the partials weighted by their shares of the softmax mass."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < num_splits
-    # .cg: from L2, never a line this SM's L1 kept from an earlier launch's partials.
-    lse = tl.load(
-        part_lse_ptr + part + offs_s, mask=mask_s, other=-float("inf"), cache_modifier=".cg"
-    )
-    m = tl.max(lse, axis=0)
-    weight = tl.exp2(lse - tl.where(m == -float("inf"), 0.0, m))  # 0 for empty splits
-    total = tl.sum(weight, axis=0)
-    # Columns past Dh were never written (the partials' stores stop at Dh): mask them too.
-    parts = tl.load(
-        part_out_ptr + (part + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
-        mask=mask_s[:, None] & (offs_d < Dh)[None, :],
-        other=0.0,
-        cache_modifier=".cg",
-    )
-    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(
-        out_ptr + q_start * stride_o_t + head * stride_o_h + offs_d * stride_o_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=offs_d < Dh,
-    )
-
-
 @lazy_jit(
     do_not_specialize=(
         "block_tables_ptr",
@@ -449,7 +404,6 @@ def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    arrivals_ptr,
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
@@ -480,7 +434,6 @@ def _paged_attention_kernel(
     HEADS_PER_KV: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     SPLIT_KV: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
     SEARCH_SEQS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -491,7 +444,6 @@ def _paged_attention_kernel(
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
     MASK_SKIP: tl.constexpr,
-    BLOCK_S: tl.constexpr,
 ):
     # PREFETCH (decode; pays with PDL): the split's first key tile is read before the
     # wait. A kernel of this step (RoPE's cache write) writes only the sequence's last
@@ -630,28 +582,6 @@ def _paged_attention_kernel(
         tl.store(part_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :], out, mask=mask_out)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), -float("inf"))
         tl.store(part_lse_ptr + part, lse, mask=mask_m)
-        if FUSED_MERGE:
-            # NOTE: the last of the (sequence, KV head)'s split programs to count itself
-            # in merges the group's partials. The barrier puts every thread's partial
-            # stores before one thread's acq_rel increment of the pair's counter; the
-            # increments form one release sequence, so the program that reads
-            # num_splits - 1 acquires every other program's stores, and the barrier
-            # after the atomic (Triton's broadcast of its result) carries that to all its
-            # threads. Nobody waits, so no launch order can deadlock. That program resets
-            # the counter: each launch leaves the buffer all zeros (`arrival_counters`).
-            tl.debug_barrier()
-            counter = arrivals_ptr + seq * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                tl.store(counter, 0)
-                H = HEADS_PER_KV * tl.num_programs(1)
-                for i in tl.static_range(HEADS_PER_KV):
-                    head_i = kv_head * HEADS_PER_KV + i
-                    _merge_head(
-                        out_ptr, part_out_ptr, part_lse_ptr, (seq * H + head_i) * num_splits,
-                        q_start, head_i, num_splits, Dh, stride_o_t, stride_o_h, stride_o_d,
-                        BLOCK_S, BLOCK_D,
-                    )  # fmt: skip
 
 
 @lazy_jit(do_not_specialize=("query_start_loc_ptr", "num_splits"))
@@ -675,11 +605,26 @@ def _merge_splits_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     part = (seq * tl.num_programs(1) + head).to(tl.int64) * num_splits
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + part + offs_s, mask=mask_s, other=-float("inf"))
+    m = tl.max(lse, axis=0)
+    weight = tl.exp2(lse - tl.where(m == -float("inf"), 0.0, m))  # 0 for empty splits
+    total = tl.sum(weight, axis=0)
+    # Columns past Dh were never written (the partials' stores stop at Dh): mask them too.
+    parts = tl.load(
+        part_out_ptr + (part + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
+        mask=mask_s[:, None] & (offs_d < Dh)[None, :],
+        other=0.0,
+    )
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    _merge_head(
-        out_ptr, part_out_ptr, part_lse_ptr, part, q_start, head, num_splits, Dh,
-        stride_o_t, stride_o_h, stride_o_d, BLOCK_S, BLOCK_D,
-    )  # fmt: skip
+    tl.store(
+        out_ptr + q_start * stride_o_t + head * stride_o_h + offs_d * stride_o_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < Dh,
+    )
 
 
 _MAX_SPLITS = 64  # context splits per (sequence, KV head) the decode default goes up to
@@ -725,9 +670,6 @@ def decode_launch_config(
         0.351 ms without against 0.449 with, and Llama-3-8B's batch-64 step at 5k 20.2
         against 24.1 ms; with one stage it pays: batch 8 at 4k 54.7 against 76.2 µs,
         batch 1 at 32k 55.0 against 76.8, batch 1 at 2k 10.5 against 11.0).
-    fused_merge: with splits, the last split program of each (sequence, KV head) to
-        finish merges the partials (an arrival counter a pair), instead of a second
-        launch.
     """
     block_m = max(16, next_pow2(heads_per_kv))
     block_n = 64 if block_m * max(16, next_pow2(Dh)) <= 16 * 128 else 32
@@ -744,7 +686,6 @@ def decode_launch_config(
         "num_stages": 1 if split_tiles <= 8 else 2,
         "prefetch": pdl and split_tiles <= 2,
         "mask_skip": split_tiles <= 8,
-        "fused_merge": False,
     }
     return _checked_rows("decode", launch_config("paged_attention", default, config), heads_per_kv)
 
@@ -850,15 +791,10 @@ def paged_attention_triton(
             num_decodes, KVH, heads_per_kv, Dh, max_context, q.device, decode_config, pdl
         )
         splits = cfg["num_splits"]
-        fused_merge = splits > 1 and cfg["fused_merge"]
-        part_out = part_lse = arrivals = out  # not touched with one split
+        part_out = part_lse = out  # not touched with one split
         if splits > 1:
             part_out = q.new_empty(num_decodes, H, splits, block_d, dtype=torch.float32)
             part_lse = q.new_empty(num_decodes, H, splits, dtype=torch.float32)
-        if fused_merge:
-            arrivals = arrival_counters(q.device, num_decodes * KVH, "paged_attention")
-        # The splits' cap (a fixed tile, not one per split count), or above it.
-        block_s = max(_MAX_SPLITS, next_pow2(splits))
         _paged_attention_kernel[(num_decodes, KVH, splits)](
             q,
             k_cache,
@@ -866,7 +802,6 @@ def paged_attention_triton(
             out,
             part_out,
             part_lse,
-            arrivals,
             *args,
             0,
             num_decodes,
@@ -875,7 +810,6 @@ def paged_attention_triton(
             *strides,
             BLOCK_Q=1,
             SPLIT_KV=splits > 1,
-            FUSED_MERGE=fused_merge,
             SEARCH_SEQS=False,
             BLOCK_M=cfg["block_m"],
             BLOCK_N=cfg["block_n"],
@@ -885,10 +819,9 @@ def paged_attention_triton(
             PDL=pdl,
             PREFETCH=cfg["prefetch"],
             MASK_SKIP=cfg["mask_skip"],
-            BLOCK_S=block_s,
             **pdl_launch(pdl),
         )
-        if splits > 1 and not fused_merge:
+        if splits > 1:
             _merge_splits_kernel[(num_decodes, H)](
                 out,
                 part_out,
@@ -897,7 +830,8 @@ def paged_attention_triton(
                 splits,
                 Dh,
                 *out.stride(),
-                BLOCK_S=block_s,
+                # The splits' cap (a fixed tile, not one per split count), or above it.
+                BLOCK_S=max(_MAX_SPLITS, next_pow2(splits)),
                 BLOCK_D=block_d,
                 PDL=pdl,
                 **pdl_launch(pdl),
@@ -914,7 +848,6 @@ def paged_attention_triton(
             out,
             out,
             out,
-            out,
             *args,
             num_decodes,
             num_prefills,
@@ -923,7 +856,6 @@ def paged_attention_triton(
             *strides,
             BLOCK_Q=cfg["block_q"],
             SPLIT_KV=False,
-            FUSED_MERGE=False,
             SEARCH_SEQS=True,
             BLOCK_M=cfg["block_m"],
             BLOCK_N=cfg["block_n"],
@@ -933,7 +865,6 @@ def paged_attention_triton(
             PDL=pdl,
             PREFETCH=False,
             MASK_SKIP=cfg["mask_skip"],
-            BLOCK_S=1,
             **pdl_launch(pdl),
         )
     return out

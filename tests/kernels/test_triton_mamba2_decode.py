@@ -16,7 +16,7 @@ import torch
 from kernel_testing import assert_close, randn, run_benchmark_tiny, seeded
 from triton_testing import DEVICE, requires_triton
 
-from ssmserve.kernels import _common
+from ssmserve.kernels import mamba2_decode
 from ssmserve.kernels.causal_conv1d import causal_conv1d_update_ref
 from ssmserve.kernels.mamba2_decode import (
     decode_update_launch_config,
@@ -81,7 +81,7 @@ def run_both(conv_pool, ssm_pool, weights, inputs, slots, n_groups, steps=1, con
 
 
 def assert_counters_zero():
-    for buffers in _common.ARRIVAL_COUNTERS.values():
+    for buffers in mamba2_decode._ARRIVAL_COUNTERS.values():
         for buf in buffers:
             assert int(buf.abs().sum()) == 0, "arrival counters left non-zero"
 
