@@ -309,8 +309,6 @@ def _gemv_rope_kernel(
     stride_wn,
     num_q_heads,
     num_kv_heads,
-    head_dim,
-    half,
     scaling,
     block_size,
     stride_kc_b,
@@ -319,6 +317,8 @@ def _gemv_rope_kernel(
     stride_vc_b,
     stride_vc_o,
     stride_vc_h,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -326,46 +326,46 @@ def _gemv_rope_kernel(
     WRITE_KV: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # The N = (q heads + 2 kv heads) * head_dim rows as N / 2 pairs, head_dim / 2 a head;
-    # the tile's rows 2i and 2i + 1 are one pair's. Pair s of a q or k head with s < half
-    # is RoPE's (dims s and s + half), rotated here; every other pair is two neighbouring
+    # The N = (q heads + 2 kv heads) * HEAD_DIM rows as N / 2 pairs, HEAD_DIM / 2 a head;
+    # the tile's rows 2i and 2i + 1 are one pair's. Pair s of a q or k head with s < HALF
+    # is RoPE's (dims s and s + HALF), rotated here; every other pair is two neighbouring
     # dims (2s, 2s + 1), kept (the dims past rotary_dim, and v). With WRITE_KV the k and v
     # pairs are also stored in the caches at the token's slot.
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK_N)
     qk_heads = num_q_heads + num_kv_heads
-    pairs_a_head = head_dim // 2
+    pairs_a_head = HEAD_DIM // 2
     pair = tl.minimum(pid * (BLOCK_N // 2) + offs // 2, N // 2 - 1)
     head, s = pair // pairs_a_head, pair % pairs_a_head
     second = offs % 2
-    dim = tl.where((head < qk_heads) & (s < half), s + second * half, 2 * s + second)
-    rows = (head * head_dim + dim).to(tl.int64)
+    dim = tl.where((head < qk_heads) & (s < HALF), s + second * HALF, 2 * s + second)
+    rows = (head * HEAD_DIM + dim).to(tl.int64)
     # The pairs' own view, [BLOCK_N // 2]: head, pair in the head, the two dims.
     p = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     valid = p < N // 2
     p_head, p_s = p // pairs_a_head, p % pairs_a_head
-    rotated = (p_head < qk_heads) & (p_s < half)
+    rotated = (p_head < qk_heads) & (p_s < HALF)
     dim0 = tl.where(rotated, p_s, 2 * p_s)
-    dim1 = tl.where(rotated, p_s + half, 2 * p_s + 1)
+    dim1 = tl.where(rotated, p_s + HALF, 2 * p_s + 1)
     # Before the wait, as RoPE's kernel: the position, the frequencies and the slot (the
-    # step's inputs, which no kernel of the step writes).
+    # step's inputs, which no kernel of the step writes), and cos and sin from them.
+    # The rotation too, RoPE's arithmetic and roundings (rotary.py's kernel).
+    dtype = out_ptr.dtype.element_ty
     angle = tl.load(pos_ptr).to(tl.float32) * tl.load(freq_ptr + p_s, mask=rotated, other=0.0)
+    cos = (tl.cos(angle) * scaling).to(dtype).to(tl.float32)
+    sin = (tl.sin(angle) * scaling).to(dtype).to(tl.float32)
     if WRITE_KV:
         slot = tl.load(slot_ptr).to(tl.int64)
     y = _row_sums(x_ptr, w_ptr, rows, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K, PDL)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
     a, b = tl.split(tl.reshape(y.to(dtype), [BLOCK_N // 2, 2]))
-    # RoPE's arithmetic and roundings (rotary.py's kernel).
-    cos = (tl.cos(angle) * scaling).to(dtype).to(tl.float32)
-    sin = (tl.sin(angle) * scaling).to(dtype).to(tl.float32)
     af, bf = a.to(tl.float32), b.to(tl.float32)
     ra = ((af * cos).to(dtype).to(tl.float32) - (bf * sin).to(dtype).to(tl.float32)).to(dtype)
     rb = ((bf * cos).to(dtype).to(tl.float32) + (af * sin).to(dtype).to(tl.float32)).to(dtype)
     a = tl.where(rotated, ra, a)
     b = tl.where(rotated, rb, b)
-    out_row = out_ptr + p_head * head_dim
+    out_row = out_ptr + p_head * HEAD_DIM
     tl.store(out_row + dim0, a, mask=valid)
     tl.store(out_row + dim1, b, mask=valid)
     if WRITE_KV:
@@ -517,10 +517,10 @@ def gemv_rope_triton(
         weight.stride(0),
         num_heads,
         num_kv_heads,
-        head_dim,
-        inv_freq.shape[0],
         float(scaling),
         *caches[2:],
+        HEAD_DIM=head_dim,
+        HALF=inv_freq.shape[0],
         HAS_BIAS=bias is not None,
         BLOCK_N=block_n,
         BLOCK_K=cfg["block_k"],
