@@ -52,15 +52,12 @@ class ModelRunner:
         self.model = self._build_model(model_config)
         if self.ops.pdl:
             # The linears of one row (batch-1 decode) chain with the other PDL kernels;
-            # a gated MLP's gate_up with act(gate) * up, and attention's qkv with RoPE
-            # and the KV write, are one launch each.
+            # a gated MLP's gate_up and act(gate) * up are one of them.
             for module in self.model.modules():
                 if hasattr(module, "decode_gemv"):
                     module.decode_gemv = self.ops.gemv
                 if hasattr(module, "decode_gemv_act_and_mul"):
                     module.decode_gemv_act_and_mul = self.ops.gemv_act_and_mul
-                if hasattr(module, "decode_gemv_rope"):
-                    module.decode_gemv_rope = self.ops.gemv_rope
         self.cache_specs = self.model.cache_specs()
         self.rounding_seeds = self._rounding_seeds()
         self.caches: list[LayerCache] = []

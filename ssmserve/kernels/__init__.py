@@ -40,7 +40,6 @@ _OPS: dict[str, tuple[str, str]] = {
     "fused_moe": ("moe", "fused_moe"),
     "gemv": ("gemv", "gemv"),
     "gemv_act_and_mul": ("gemv", "gemv_act_and_mul"),
-    "gemv_rope": ("gemv", "gemv_rope"),
 }
 # Ops whose launchers take `pdl` (programmatic dependent launch, `get_ops(pdl=True)`):
 # the Triton kernels of a batch-1 decode step of the dense families. They launch so only
@@ -59,7 +58,6 @@ PDL_OPS = (
     "paged_attention",
     "act_and_mul",
     "gemv_act_and_mul",
-    "gemv_rope",
 )
 # What "hopper" runs instead of the Triton-language op: field -> (module, function).
 _HOPPER_OPS: dict[str, tuple[str, str]] = {
@@ -96,7 +94,6 @@ class KernelOps:
     fused_moe: Callable[..., torch.Tensor]
     gemv: Callable[..., torch.Tensor]
     gemv_act_and_mul: Callable[..., torch.Tensor]
-    gemv_rope: Callable[..., torch.Tensor]
     pdl: bool = False
 
 
@@ -174,13 +171,11 @@ def get_ops(backend: str, device: torch.device | str, pdl: bool | None = False) 
         elif reason is not None:
             raise RuntimeError(f"decode_pdl: {reason}; run without --decode-pdl")
     if pdl:
-        from ssmserve.kernels import gemv
+        from ssmserve.kernels.gemv import gemv_act_and_mul_ref, gemv_ref
 
         # Eagerly, one-row linears stay with cuBLAS (F.linear): the GEMV pays off only
         # chained with PDL.
-        eager_refs = {
-            f: getattr(gemv, f + "_ref") for f in ("gemv", "gemv_act_and_mul", "gemv_rope")
-        }
+        eager_refs = {"gemv": gemv_ref, "gemv_act_and_mul": gemv_act_and_mul_ref}
         for field in PDL_OPS:
             eager = eager_refs.get(field, fns[field])
             fns[field] = _pdl_in_scope(fns[field], eager)

@@ -20,11 +20,6 @@ whole weight, sums each row the same way, and stores act(gate) * up instead of b
 Every value is rounded as the GEMV and `act_and_mul` round theirs, so it gives their
 result bit for bit, and a launch and the [1, 2I] round trip fewer per layer.
 
-`gemv_rope` is attention's qkv projection with RoPE and the KV-cache write in one launch,
-the same way: a tile's rows are pairs, RoPE's (dims i and i + rotary_dim / 2 of a q or k
-head) or two neighbouring dims kept as they are (past rotary_dim, and v), and each program
-rotates its pairs and stores k and v at the token's cache slot as the RoPE kernel does.
-
 benchmarks/kernels/bench_pdl.py measures it against F.linear in decode-shaped chains.
 """
 
@@ -55,8 +50,6 @@ from ssmserve.kernels.activation import (
     act_and_mul_ref,
     act_and_mul_tile,
 )
-from ssmserve.kernels.paged_attention import _check_kv_write_args
-from ssmserve.kernels.rotary import rotary_embedding_ref
 
 
 def _check_gemv_args(
@@ -96,76 +89,6 @@ def gemv_act_and_mul_ref(
     N, _ = _check_gemv_args(x, weight, bias)
     _check_act_args(x.new_empty(0, N), act)
     return act_and_mul_ref(F.linear(x, weight, bias), act=act)
-
-
-def gemv_rope_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    scaling: float = 1.0,
-    k_cache: torch.Tensor | None = None,
-    v_cache: torch.Tensor | None = None,
-    slot_mapping: torch.Tensor | None = None,
-    pdl: bool = False,
-) -> torch.Tensor:
-    """Attention's qkv projection of one token and RoPE on it: x [1, K], weight
-    [(H + 2 KVH) * D, K] (q's heads' rows, k's, v's), bias or None, positions [1],
-    inv_freq [rotary_dim / 2] -> qkv [1, (H + 2 KVH) * D] with q and k rotated: F.linear,
-    then `rotary_embedding` on its q and k (and its KV-cache write, given k_cache, v_cache
-    and slot_mapping). `pdl` is the Triton launcher's."""
-    _, head_dim, writes = _check_gemv_rope_args(
-        x, weight, bias, positions, inv_freq, num_heads, num_kv_heads,
-        (k_cache, v_cache, slot_mapping),
-    )  # fmt: skip
-    qkv = F.linear(x, weight, bias)
-    q, k, v = qkv.view(num_heads + 2 * num_kv_heads, head_dim).split(
-        [num_heads, num_kv_heads, num_kv_heads]
-    )
-    q, k = rotary_embedding_ref(
-        positions, q[None], k[None], inv_freq, scaling=scaling,
-        v=v[None] if writes else None, k_cache=k_cache, v_cache=v_cache,
-        slot_mapping=slot_mapping,
-    )  # fmt: skip
-    return torch.cat([q.reshape(1, -1), k.reshape(1, -1), v.reshape(1, -1)], dim=1)
-
-
-def _check_gemv_rope_args(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    caches: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
-) -> tuple[int, int, bool]:
-    """Validate; return (N, head_dim, whether the call writes the KV cache)."""
-    N, _ = _check_gemv_args(x, weight, bias)
-    heads = num_heads + 2 * num_kv_heads
-    if num_heads <= 0 or num_kv_heads <= 0 or N % heads or (N // heads) % 2:
-        raise ValueError(
-            f"gemv_rope: the weight's {N} rows must be (num_heads + 2 num_kv_heads) = "
-            f"{heads} heads of an even head dim"
-        )
-    head_dim = N // heads
-    check_shape("positions", positions, [1])
-    if 2 * inv_freq.shape[0] > head_dim:
-        raise ValueError(f"rotary_dim {2 * inv_freq.shape[0]} exceeds the head dim {head_dim}")
-    given = [t is not None for t in caches]
-    if any(given) and not all(given):
-        raise ValueError(
-            "gemv_rope writes the KV cache given k_cache, v_cache and slot_mapping "
-            "together; pass all three or none"
-        )
-    if all(given):
-        kv = x.new_empty(1, num_kv_heads, head_dim)
-        _check_kv_write_args(kv, kv, *caches)
-    return N, head_dim, all(given)
 
 
 def gemv_launch_config(
@@ -213,21 +136,35 @@ def _x_tile(x_ptr, ks, K, EVEN_K: tl.constexpr):
     return tl.load(x_ptr + ks, mask=ks < K, other=0.0)
 
 
-@device_function
-def _row_sums(
+@lazy_jit(do_not_specialize=["N"])
+def _gemv_kernel(
     x_ptr,
     w_ptr,
-    rows,
+    bias_ptr,
+    out_ptr,
+    N,
     K,
     stride_wn,
+    HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    ACT: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # x . W[rows] in float32, [BLOCK_N], `rows` in bounds; with PDL the first weight tile
-    # loads before the wait (no kernel writes the weights) and x after it.
+    # ACT < 0: y = x W^T + b, N rows. ACT >= 0 (an activation code): out = act(gate) *
+    # up with N = I, the tile's rows interleaved: row 2i is gate row j, 2i + 1 up row j
+    # (weight row j + N), for the BLOCK_N // 2 outputs j of the program.
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    if ACT < 0:
+        offs_n = pid * BLOCK_N + offs
+        # Rows past N read the last row (in bounds, unmasked); their sums are not stored.
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    else:
+        rows = (tl.minimum(pid * (BLOCK_N // 2) + offs // 2, N - 1) + (offs % 2) * N).to(tl.int64)
+    # The first weight tile before the PDL wait (no kernel writes the weights).
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     if PDL:
         gdc_launch_dependents()
@@ -251,37 +188,7 @@ def _row_sums(
     ks = tl.cdiv(K, BLOCK_K) * BLOCK_K - BLOCK_K + offs_k
     x = _x_tile(x_ptr, ks, K, EVEN_K)
     acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    return tl.sum(acc, axis=1)
-
-
-@lazy_jit(do_not_specialize=["N"])
-def _gemv_kernel(
-    x_ptr,
-    w_ptr,
-    bias_ptr,
-    out_ptr,
-    N,
-    K,
-    stride_wn,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    ACT: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # ACT < 0: y = x W^T + b, N rows. ACT >= 0 (an activation code): out = act(gate) *
-    # up with N = I, the tile's rows interleaved: row 2i is gate row j, 2i + 1 up row j
-    # (weight row j + N), for the BLOCK_N // 2 outputs j of the program.
-    pid = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_N)
-    if ACT < 0:
-        offs_n = pid * BLOCK_N + offs
-        # Rows past N read the last row (in bounds, unmasked); their sums are not stored.
-        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    else:
-        rows = (tl.minimum(pid * (BLOCK_N // 2) + offs // 2, N - 1) + (offs % 2) * N).to(tl.int64)
-    y = _row_sums(x_ptr, w_ptr, rows, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K, PDL)
+    y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows).to(tl.float32)
     y = y.to(out_ptr.dtype.element_ty)
@@ -291,97 +198,6 @@ def _gemv_kernel(
         gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
         offs_out = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(out_ptr + offs_out, act_and_mul_tile(gate, up, ACT), mask=offs_out < N)
-
-
-@lazy_jit(do_not_specialize=("pos_ptr", "slot_ptr"))
-def _gemv_rope_kernel(
-    x_ptr,
-    w_ptr,
-    bias_ptr,
-    out_ptr,
-    pos_ptr,
-    freq_ptr,
-    slot_ptr,
-    kc_ptr,
-    vc_ptr,
-    N,
-    K,
-    stride_wn,
-    num_q_heads,
-    num_kv_heads,
-    scaling,
-    block_size,
-    stride_kc_b,
-    stride_kc_o,
-    stride_kc_h,
-    stride_vc_b,
-    stride_vc_o,
-    stride_vc_h,
-    HEAD_DIM: tl.constexpr,
-    HALF: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    WRITE_KV: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # The N = (q heads + 2 kv heads) * HEAD_DIM rows as N / 2 pairs, HEAD_DIM / 2 a head;
-    # the tile's rows 2i and 2i + 1 are one pair's. Pair s of a q or k head with s < HALF
-    # is RoPE's (dims s and s + HALF), rotated here; every other pair is two neighbouring
-    # dims (2s, 2s + 1), kept (the dims past rotary_dim, and v). With WRITE_KV the k and v
-    # pairs are also stored in the caches at the token's slot.
-    pid = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_N)
-    qk_heads = num_q_heads + num_kv_heads
-    pairs_a_head = HEAD_DIM // 2
-    pair = tl.minimum(pid * (BLOCK_N // 2) + offs // 2, N // 2 - 1)
-    head, s = pair // pairs_a_head, pair % pairs_a_head
-    second = offs % 2
-    dim = tl.where((head < qk_heads) & (s < HALF), s + second * HALF, 2 * s + second)
-    rows = (head * HEAD_DIM + dim).to(tl.int64)
-    # The pairs' own view, [BLOCK_N // 2]: head, pair in the head, the two dims.
-    p = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    valid = p < N // 2
-    p_head, p_s = p // pairs_a_head, p % pairs_a_head
-    rotated = (p_head < qk_heads) & (p_s < HALF)
-    dim0 = tl.where(rotated, p_s, 2 * p_s)
-    dim1 = tl.where(rotated, p_s + HALF, 2 * p_s + 1)
-    # Before the wait, as RoPE's kernel: the position, the frequencies and the slot (the
-    # step's inputs, which no kernel of the step writes), and cos and sin from them.
-    # The rotation too, RoPE's arithmetic and roundings (rotary.py's kernel).
-    dtype = out_ptr.dtype.element_ty
-    angle = tl.load(pos_ptr).to(tl.float32) * tl.load(freq_ptr + p_s, mask=rotated, other=0.0)
-    cos = (tl.cos(angle) * scaling).to(dtype).to(tl.float32)
-    sin = (tl.sin(angle) * scaling).to(dtype).to(tl.float32)
-    if WRITE_KV:
-        slot = tl.load(slot_ptr).to(tl.int64)
-    y = _row_sums(x_ptr, w_ptr, rows, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K, PDL)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rows).to(tl.float32)
-    a, b = tl.split(tl.reshape(y.to(dtype), [BLOCK_N // 2, 2]))
-    af, bf = a.to(tl.float32), b.to(tl.float32)
-    ra = ((af * cos).to(dtype).to(tl.float32) - (bf * sin).to(dtype).to(tl.float32)).to(dtype)
-    rb = ((bf * cos).to(dtype).to(tl.float32) + (af * sin).to(dtype).to(tl.float32)).to(dtype)
-    a = tl.where(rotated, ra, a)
-    b = tl.where(rotated, rb, b)
-    out_row = out_ptr + p_head * HEAD_DIM
-    tl.store(out_row + dim0, a, mask=valid)
-    tl.store(out_row + dim1, b, mask=valid)
-    if WRITE_KV:
-        write = valid & (slot >= 0)
-        is_k = (p_head >= num_q_heads) & (p_head < qk_heads)
-        is_v = p_head >= qk_heads
-        kv_head = tl.where(is_k, p_head - num_q_heads, p_head - qk_heads)
-        block, offset = slot // block_size, slot % block_size
-        kc_row = kc_ptr + block * stride_kc_b + offset * stride_kc_o + kv_head * stride_kc_h
-        vc_row = vc_ptr + block * stride_vc_b + offset * stride_vc_o + kv_head * stride_vc_h
-        kc_dtype = kc_ptr.dtype.element_ty
-        vc_dtype = vc_ptr.dtype.element_ty
-        tl.store(kc_row + dim0, a.to(kc_dtype), mask=write & is_k)
-        tl.store(kc_row + dim1, b.to(kc_dtype), mask=write & is_k)
-        tl.store(vc_row + dim0, a.to(vc_dtype), mask=write & is_v)
-        tl.store(vc_row + dim1, b.to(vc_dtype), mask=write & is_v)
 
 
 def _launch_gemv(
@@ -462,72 +278,3 @@ def gemv_act_and_mul_triton(
         gate_up = x.new_zeros(1, N) if bias is None else bias[None].clone()
         return out.copy_(act_and_mul_ref(gate_up, act=act))
     return _launch_gemv(x, weight, bias, out, act, pdl, config)
-
-
-def gemv_rope_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    scaling: float = 1.0,
-    k_cache: torch.Tensor | None = None,
-    v_cache: torch.Tensor | None = None,
-    slot_mapping: torch.Tensor | None = None,
-    pdl: bool = False,
-    config: Mapping[str, Any] | None = None,
-) -> torch.Tensor:
-    """Triton twin of `gemv_rope_ref` (same arguments and shapes), one launch: bit for
-    bit `rotary_embedding_triton` of `gemv_triton` at the same tile shape (`config` is
-    the GEMV's; a tile of one row takes two, a pair)."""
-    N, head_dim, writes = _check_gemv_rope_args(
-        x, weight, bias, positions, inv_freq, num_heads, num_kv_heads,
-        (k_cache, v_cache, slot_mapping),
-    )  # fmt: skip
-    K = x.shape[1]
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if weight.stride(1) != 1 or K == 0:
-        raise ValueError("gemv_rope needs K > 0 and the weight's rows contiguous")
-    if writes and (k_cache.stride(3) != 1 or v_cache.stride(3) != 1):
-        raise ValueError("the KV caches' head dims must be contiguous")
-    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    cfg = gemv_launch_config(N, K, x.device, config)
-    block_n = max(2, cfg["block_n"])
-    caches = (
-        (k_cache, v_cache, k_cache.shape[1], *k_cache.stride()[:3], *v_cache.stride()[:3])
-        if writes
-        else (None, None, 1, 0, 0, 0, 0, 0, 0)
-    )
-    _gemv_rope_kernel[(cdiv(N, block_n),)](
-        x,
-        weight,
-        bias,
-        out,
-        positions,
-        inv_freq,
-        slot_mapping if writes else None,
-        caches[0],
-        caches[1],
-        N,
-        K,
-        weight.stride(0),
-        num_heads,
-        num_kv_heads,
-        float(scaling),
-        *caches[2:],
-        HEAD_DIM=head_dim,
-        HALF=inv_freq.shape[0],
-        HAS_BIAS=bias is not None,
-        BLOCK_N=block_n,
-        BLOCK_K=cfg["block_k"],
-        EVEN_K=K % cfg["block_k"] == 0,
-        WRITE_KV=writes,
-        PDL=pdl,
-        num_warps=cfg["num_warps"],
-        **pdl_launch(pdl),
-    )
-    return out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -48,12 +47,7 @@ class Attention(nn.Module):
     Each step writes the new tokens' K/V into the cache first, then every query attends
     over its sequence's cached context plus itself: one op for prefill with or without
     cached context and for decode.
-
-    For one token with RoPE, `decode_gemv_rope` (where the model runner set one: batch-1
-    decode with PDL) computes the qkv projection, RoPE and the KV write in one launch.
     """
-
-    decode_gemv_rope: Callable[..., torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -99,24 +93,6 @@ class Attention(nn.Module):
         """`qkv_delta` (this rank's q/k/v columns, as qkv_proj gives them) is added to the
         projection before RoPE: a per-use adapter's output (Zamba2's LoRA)."""
         num_tokens = x.shape[0]
-        fused, weight = self.decode_gemv_rope, self.qkv_proj.weight
-        if (
-            fused is not None
-            and self.rotary is not None
-            and qkv_delta is None
-            and x.dim() == 2
-            and num_tokens == 1
-            and self.head_dim % 2 == 0
-            and weight.stride(1) == 1
-        ):
-            qkv = fused(
-                x, weight, self.qkv_proj.bias, batch.positions, self.rotary.inv_freq,
-                num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                scaling=self.rotary.attention_scaling, k_cache=cache.k, v_cache=cache.v,
-                slot_mapping=batch.slot_mapping,
-            )  # fmt: skip
-            q = qkv[:, : self.num_heads * self.head_dim].view(1, self.num_heads, self.head_dim)
-            return self.o_proj(self._paged(q, batch, cache, 0, batch.num_seqs).reshape(1, -1))
         qkv = self.qkv_proj(x)
         if qkv_delta is not None:
             qkv = qkv + qkv_delta

@@ -24,7 +24,7 @@ from triton_testing import DEVICE, requires_triton
 
 from ssmserve import LLM, SamplingParams
 from ssmserve.kernels._common import LazyKernel
-from ssmserve.kernels.gemv import gemv_act_and_mul_triton, gemv_rope_triton, gemv_triton
+from ssmserve.kernels.gemv import gemv_act_and_mul_triton, gemv_triton
 from ssmserve.kernels.paged_attention import write_kv_cache_triton
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -87,8 +87,6 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
                 module.decode_gemv = gemv_triton
             if hasattr(module, "decode_gemv_act_and_mul"):
                 module.decode_gemv_act_and_mul = gemv_act_and_mul_triton
-            if hasattr(module, "decode_gemv_rope"):
-                module.decode_gemv_rope = gemv_rope_triton
         llm.generate(prompts[:1], params, use_tqdm=False)  # one row alone
         llm.generate(prompts, params, use_tqdm=False)
         del llm
@@ -113,7 +111,6 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
         "_moe_up_kernel",
         "_align_kernel",
         "_gemv_kernel",
-        "_gemv_rope_kernel",
     ):
         assert expected in names, (expected, sorted(names))
     # The kernels that take PDL compile launched with it too (sm_90 GPUs run them so with
@@ -134,7 +131,6 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
     pdl_names = {kernel.name for kernel, _, _ in pdl_variants}
     assert {
         "_gemv_kernel",
-        "_gemv_rope_kernel",
         "_mamba2_decode_kernel",
         "_add_rms_norm_kernel",
         "_paged_attention_kernel",

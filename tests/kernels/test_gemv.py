@@ -16,11 +16,8 @@ from ssmserve.kernels.gemv import (
     gemv_act_and_mul_triton,
     gemv_launch_config,
     gemv_ref,
-    gemv_rope_ref,
-    gemv_rope_triton,
     gemv_triton,
 )
-from ssmserve.kernels.rotary import rotary_embedding_triton
 
 
 @requires_triton
@@ -83,78 +80,6 @@ def test_gated_gemv_refuses_what_act_and_mul_refuses():
         gemv_act_and_mul_ref(torch.zeros(1, 4), torch.zeros(6, 4), act="tanh")
     with pytest.raises(ValueError, match="must be even"):
         gemv_act_and_mul_ref(torch.zeros(1, 4), torch.zeros(5, 4), act="silu")
-
-
-@requires_triton
-@pytest.mark.parametrize("dtype,bias", [(torch.float32, True), (torch.bfloat16, False)])
-@pytest.mark.parametrize(
-    "H, KVH, D, rotary_dim, config",
-    [
-        (6, 2, 8, 8, None),  # GQA, RoPE on the whole head
-        (6, 2, 8, 4, None),  # RoPE on half of it (Bamba's), the rest kept
-        (4, 4, 12, 8, {"block_tile": 64}),  # MHA, 12 dims of which 4 kept, 4 rows a tile
-        (2, 1, 16, 16, {"block_k": 16, "block_tile": 32}),  # one pair a tile, 3 K tiles
-    ],
-)
-@pytest.mark.parametrize("slot", [6, -1])
-def test_gemv_rope_is_rope_of_the_gemv(dtype, bias, H, KVH, D, rotary_dim, config, slot):
-    """gemv_rope: the qkv GEMV of one token with RoPE on q and k and k, v written to the
-    cache slot (none at slot -1): bit for bit the GEMV then RoPE with the KV write at the
-    same tile shape, every cache entry included, and close to the float64 reference."""
-    gen = seeded(2)
-    K, N = 48, (H + 2 * KVH) * D
-    x = randn(1, K, gen=gen, dtype=dtype).to(DEVICE)
-    w = randn(N, K, gen=gen, dtype=dtype, scale=K**-0.5).to(DEVICE)
-    b = randn(N, gen=gen, dtype=dtype).to(DEVICE) if bias else None
-    positions = torch.tensor([37], device=DEVICE)
-    inv_freq = (1.0 / 10000 ** (torch.arange(0, rotary_dim, 2) / rotary_dim)).float().to(DEVICE)
-    cache = randn(3, 4, KVH, D, gen=gen, dtype=dtype).to(DEVICE)  # 3 blocks of 4 slots
-    caches = [(cache.clone(), cache.clone() + 1) for _ in range(3)]
-    rope = dict(scaling=0.9, slot_mapping=torch.tensor([slot], device=DEVICE))
-
-    kc, vc = caches[0]
-    got = gemv_rope_triton(
-        x, w, b, positions, inv_freq, num_heads=H, num_kv_heads=KVH, k_cache=kc, v_cache=vc,
-        config=config, **rope,
-    )  # fmt: skip
-    assert got.shape == (1, N) and got.dtype == dtype
-    kc_ref, vc_ref = caches[1]
-    want = gemv_rope_ref(
-        x.double(), w.double(), None if b is None else b.double(), positions, inv_freq,
-        num_heads=H, num_kv_heads=KVH, k_cache=kc_ref.double(), v_cache=vc_ref.double(),
-        **rope,
-    )  # fmt: skip
-    assert_close(got, want)
-    if gemv_launch_config(N, K, x.device, config)["block_n"] >= 2:  # the same tiles
-        qkv = gemv_triton(x, w, b, config=config).view(H + 2 * KVH, D)
-        q, k, v = qkv.split([H, KVH, KVH])
-        kc_u, vc_u = caches[2]
-        q, k = rotary_embedding_triton(
-            positions, q[None], k[None], inv_freq, v=v[None], k_cache=kc_u, v_cache=vc_u,
-            **rope,
-        )  # fmt: skip
-        assert torch.equal(got, torch.cat([q.flatten(), k.flatten(), v.flatten()])[None])
-        assert torch.equal(kc, kc_u) and torch.equal(vc, vc_u)
-    changed = (kc != cache).any() or (vc != cache + 1).any()
-    assert bool(changed) == (slot >= 0)
-    if slot >= 0:
-        block, offset = divmod(slot, 4)
-        # The cache holds the token's rotated k and its v, in the cache dtype.
-        assert_close(kc[block, offset], got[0, H * D : (H + KVH) * D].view(KVH, D))
-        assert_close(vc[block, offset], got[0, (H + KVH) * D :].view(KVH, D))
-
-
-def test_gemv_rope_refuses_shapes_it_cannot_pair():
-    x, positions, freq = torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), torch.ones(2)
-    with pytest.raises(ValueError, match="heads of an even head dim"):
-        gemv_rope_ref(x, torch.zeros(30, 4), None, positions, freq, num_heads=2, num_kv_heads=1)
-    with pytest.raises(ValueError, match="rotary_dim 4 exceeds"):
-        gemv_rope_ref(x, torch.zeros(8, 4), None, positions, freq, num_heads=2, num_kv_heads=1)
-    with pytest.raises(ValueError, match="pass all three or none"):
-        gemv_rope_ref(
-            x, torch.zeros(16, 4), None, positions, freq, num_heads=2, num_kv_heads=1,
-            k_cache=torch.zeros(1, 4, 1, 4),
-        )  # fmt: skip
 
 
 def test_launch_config_picks_a_dividing_tile_and_enough_programs():
