@@ -3,10 +3,12 @@
 A decode-only step (every sequence has one new token and a state to resume from) has
 the same shapes for a given batch size whatever the requests are, because kernels find
 KV blocks through block tables and SSM state through slot indices. So each size is
-captured once over one static batch (sliced per size), and a step copies its inputs in
-and replays. Padding rows get state slot -1 and KV slot -1: kernels skip them and they
-touch no state. Under tensor parallelism every rank captures the same sizes and decides
-with the same `can_run`, so the collectives inside the graphs line up.
+captured once over one static batch (sliced per size), and a step writes its inputs in
+(one launch from the packed step, `decode_inputs`) and replays. Padding rows get state
+slot -1 and KV slot -1: kernels skip them and they touch no state. Under tensor
+parallelism every rank captures the same sizes and decides with the same
+`can_run_packed` / `can_run` (from the step's header), so the collectives inside the
+graphs line up.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import torch
 
 from ssmserve.kernels import pdl_scope
+from ssmserve.kernels.decode_inputs import STATIC, decode_inputs_triton
 from ssmserve.layers.batch import ForwardBatch, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -38,6 +41,7 @@ class DecodeGraphs:
             inputs.add_sequence([0], 1, [], runner.block_size, None)
         inputs.block_tables = [[0] * self.max_blocks for _ in range(n)]
         self.static = ForwardBatch.from_packed(inputs.pack(), self.device)
+        self.static_inputs = {name: getattr(self.static, name) for name in STATIC}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @torch.inference_mode()
@@ -62,6 +66,35 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.runner.forward_logits(batch)
             self._graphs[size] = (graph, logits)
+
+    def can_run_packed(self, head: list[int], has_tokens: bool) -> bool:
+        """Whether `run_packed` takes a packed step of header `head` (StepInputs.pack):
+        decodes only, one logit each, within the captured sizes and block-table width, no
+        cache copies or snapshots (those go through `ForwardBatch`), and the sampled ids
+        any fills read."""
+        T, S, K, width, nd, saves, restores, copies, snapshots, fills = head
+        return (
+            bool(self._graphs)
+            and 0 < S <= self.sizes[-1]
+            and T == S == nd == K
+            and width <= self.max_blocks
+            and saves + restores + copies + snapshots == 0
+            and (fills == 0 or has_tokens)
+        )
+
+    @torch.inference_mode()
+    def run_packed(
+        self, packed: torch.Tensor, head: list[int], tokens: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Logits [num_seqs, vocab] of a packed decode step on the device (header `head`
+        from the host; `can_run_packed`): its inputs written into the static buffers in
+        one launch (`decode_inputs`), then the replay."""
+        n = head[1]
+        size = next(s for s in self.sizes if s >= n)
+        decode_inputs_triton(packed, head, tokens, self.static_inputs, size)
+        graph, logits = self._graphs[size]
+        graph.replay()
+        return logits[:n]
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (

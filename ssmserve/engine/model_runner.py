@@ -17,7 +17,7 @@ from ssmserve.config import EngineConfig, ModelConfig
 from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.kernels import get_ops
 from ssmserve.kernels.stochastic_rounding import rounding_key
-from ssmserve.layers.batch import ForwardBatch, StepInputs
+from ssmserve.layers.batch import HEADER_LEN, ForwardBatch, StepInputs
 from ssmserve.layers.cache import LayerCache, allocate_caches, apply_cache_copies, cache_bytes
 from ssmserve.loader import init_dummy_weights, load_weights
 from ssmserve.models.base import ModelContext, PipelineStage
@@ -189,6 +189,11 @@ class ModelRunner:
             # From pinned memory the copy is queued without waiting for the device (a
             # copy from pageable memory may wait for the step in flight to finish).
             packed = packed.pin_memory()
+        if self.graphs is not None:
+            head = packed[:HEADER_LEN].tolist()
+            if self.graphs.can_run_packed(head, tokens is not None):
+                data = packed.to(self.device, non_blocking=True)
+                return self.graphs.run_packed(data, head, tokens)
         batch = ForwardBatch.from_packed(packed, self.device)
         if batch.fills is not None:
             if tokens is None:

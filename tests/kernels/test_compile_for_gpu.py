@@ -24,8 +24,10 @@ from triton_testing import DEVICE, requires_triton
 
 from ssmserve import LLM, SamplingParams
 from ssmserve.kernels._common import LazyKernel
+from ssmserve.kernels.decode_inputs import STATIC, decode_inputs_triton
 from ssmserve.kernels.gemv import gemv_act_and_mul_triton, gemv_triton
 from ssmserve.kernels.paged_attention import write_kv_cache_triton
+from ssmserve.layers.batch import HEADER_LEN, ForwardBatch, StepInputs
 from tests.tiny_models import make_tiny_checkpoint
 
 pytestmark = [
@@ -95,6 +97,15 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
     kv = torch.zeros(1, 2, 16, device=DEVICE)
     cache = torch.zeros(4, 16, 2, 16, device=DEVICE)
     write_kv_cache_triton(kv, kv, cache, cache.clone(), torch.tensor([3], device=DEVICE))
+    # A decode graph's inputs written from a packed step (CUDA graphs run only on a GPU).
+    step = StepInputs(logits_indices=[0], num_decodes=1, fills=[(0, 0)])
+    step.add_sequence([5], 3, [2], 4, 0)
+    packed = step.pack()
+    static = ForwardBatch.from_packed(packed.clone(), DEVICE)
+    decode_inputs_triton(
+        packed, packed[:HEADER_LEN].tolist(), torch.zeros(1, dtype=torch.long),
+        {name: getattr(static, name) for name in STATIC}, 1,
+    )  # fmt: skip
     monkeypatch.undo()
     names = {name for name, _ in launches}
     gemv_acts = {kw["ACT"] for k, _, kw in launches.values() if k.name == "_gemv_kernel"}
@@ -111,6 +122,7 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
         "_moe_up_kernel",
         "_align_kernel",
         "_gemv_kernel",
+        "_decode_inputs_kernel",
     ):
         assert expected in names, (expected, sorted(names))
     # The kernels that take PDL compile launched with it too (sm_90 GPUs run them so with
