@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ssmserve.kernels._common import interpret_mode
+from ssmserve.kernels.sampling import draw_triton
 from ssmserve.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -171,6 +173,11 @@ class _Batch:
                 self.lp_counts.append(min(p.logprobs, vocab))
         if not out_ids and not prompt_ids:
             penalties = []  # nothing seen yet: the penalties change nothing
+        # Every row greedy, or every row drawn from the engine's generator with only a
+        # temperature: the rows `draw_triton` takes whole.
+        self.plain = not (seeded or filters or penalties or bans or self.lp_rows) and (
+            not unseeded or len(unseeded) == len(rows)
+        )
         self.sampled = bool(unseeded) or bool(seeded)
         self.num_unseeded = len(unseeded)
         self.num_seeded = len(seeded) // 5
@@ -416,6 +423,14 @@ class Sampler:
         dev = batch.upload(logits.device)
         raw = logits.index_select(0, dev["rows"].long()) if batch.gather else logits
         raw = raw.float().contiguous()
+        if batch.plain and (raw.is_cuda or interpret_mode()):
+            # Two launches for the common rows (kernels/sampling.py), the same noise drawn.
+            temps = noise = None
+            if batch.sampled:
+                temps = dev["temps"]
+                noise = torch.empty_like(raw).exponential_(generator=generator)
+            chosen, packed = draw_triton(raw, temps, noise)
+            return PendingSample(packed, batch, chosen, logits.device)
         z = _adjusted(raw, batch, dev)
         if batch.sampled:
             chosen = _draw(_filtered(z, batch, dev), batch, dev, generator)

@@ -123,6 +123,8 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
         "_align_kernel",
         "_gemv_kernel",
         "_decode_inputs_kernel",
+        "_draw_chunks_kernel",  # the sampler's draw (greedy here)
+        "_draw_merge_kernel",
     ):
         assert expected in names, (expected, sorted(names))
     # The kernels that take PDL compile launched with it too (sm_90 GPUs run them so with
@@ -139,6 +141,12 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
         for kernel, args, kwargs in pdl_variants
         if kernel.name == "_paged_attention_kernel" and not kwargs["SEARCH_SEQS"]
         for option in ({"PREFETCH": True}, {"MASK_SKIP": False})
+    ]
+    # And the sampler's draw of sampled rows (temperature and noise).
+    pdl_variants += [
+        (kernel, args, {**kwargs, "SAMPLED": True})
+        for kernel, args, kwargs in launches.values()
+        if kernel.name == "_draw_chunks_kernel"
     ]
     pdl_names = {kernel.name for kernel, _, _ in pdl_variants}
     assert {
