@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ssmserve.kernels._common import interpret_mode
+from ssmserve.kernels._common import HAS_TRITON, interpret_mode
 from ssmserve.kernels.sampling import draw_triton
 from ssmserve.sampling_params import SamplingParams
 
@@ -423,7 +423,7 @@ class Sampler:
         dev = batch.upload(logits.device)
         raw = logits.index_select(0, dev["rows"].long()) if batch.gather else logits
         raw = raw.float().contiguous()
-        if batch.plain and (raw.is_cuda or interpret_mode()):
+        if batch.plain and HAS_TRITON and (raw.is_cuda or interpret_mode()):
             # Two launches for the common rows (kernels/sampling.py), the same noise drawn.
             temps = noise = None
             if batch.sampled:
