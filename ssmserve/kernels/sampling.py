@@ -79,7 +79,7 @@ def _draw_chunks_kernel(
     tl.store(sum_ptr + at, total)
 
 
-@lazy_jit
+@lazy_jit(do_not_specialize=("B",))  # one compile for every batch
 def _draw_merge_kernel(
     logits_ptr,
     best_ptr,
@@ -127,7 +127,11 @@ def draw_triton(
     if (temps is None) != (noise is None):
         raise ValueError("draw: a sampled draw takes both temps and noise, a greedy one neither")
     num_chunks = cdiv(V, CHUNK)
-    partial = torch.empty(4, B, num_chunks, dtype=torch.float32, device=logits.device)
+    # Each its own allocation: views at offsets that follow B would change the pointers'
+    # alignment, and with it the compiled variant, from batch to batch.
+    best, maxes, sums = (
+        torch.empty(B, num_chunks, dtype=torch.float32, device=logits.device) for _ in range(3)
+    )
     index = torch.empty(B, num_chunks, dtype=torch.int32, device=logits.device)
     chosen = torch.empty(B, dtype=torch.int64, device=logits.device)
     packed = torch.empty(2 * B, dtype=torch.float64, device=logits.device)
@@ -138,10 +142,10 @@ def draw_triton(
         logits,
         temps if sampled else logits,
         noise if sampled else logits,
-        partial[0],
+        best,
         index,
-        partial[1],
-        partial[2],
+        maxes,
+        sums,
         V,
         logits.stride(0),
         noise.stride(0) if sampled else 0,
@@ -152,10 +156,10 @@ def draw_triton(
     )
     _draw_merge_kernel[(B,)](
         logits,
-        partial[0],
+        best,
         index,
-        partial[1],
-        partial[2],
+        maxes,
+        sums,
         chosen,
         packed,
         B,

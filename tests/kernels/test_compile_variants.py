@@ -64,6 +64,8 @@ BOUNDS = {
     # channels a program, 256 halved down to 32 while few rows leave SMs idle: at most
     # four tiles whatever the batch (update_block_c)
     "_conv1d_update_kernel": 4,
+    # the sampler's draw: greedy rows, or temperature draws with their noise
+    "_draw_chunks_kernel": 2,
 }
 
 
