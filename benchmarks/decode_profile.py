@@ -16,7 +16,10 @@ copy bandwidth, or FLOPs over its matrix rate, whichever is larger).
         --load-format dummy --batch-size 484 --context 5120 --profile \\
         --json benchmarks/results/decode_profile_<date>_h200_bamba9b_b484_5k.json
 
-It measures the forward (and the LM head) only: no sampling, no host work between steps.
+It measures the forward (and the LM head) only, no host work between steps; with
+`--sample greedy` or `--sample temperature` each step also launches the engine's sampler
+on its logits (every row greedy, or drawn at temperature 1 from a generator, as
+`bench latency` asks: no wait for the results), so the step is the device's whole token.
 The engine's own step at the same shape is what benchmarks/long_outputs.py times.
 `--attention-decode-config` and `--gemv-config` set launch parameters of the Triton decode
 attention and of the one-row GEMV for the run (`decode_launch_config`'s and
@@ -47,8 +50,10 @@ from ssmserve.bench.floors import device_peaks, engine_costs, floor_s
 from ssmserve.config import EngineConfig, add_engine_args
 from ssmserve.engine.cuda_graphs import DecodeGraphs
 from ssmserve.engine.engine import LLMEngine
+from ssmserve.engine.sampler import Sampler, SamplingRow
 from ssmserve.kernels import gemv, paged_attention
 from ssmserve.layers.batch import ForwardBatch, StepInputs
+from ssmserve.sampling_params import SamplingParams
 
 
 def decode_step(engine: LLMEngine, batch: int, context: int) -> torch.Tensor:
@@ -100,6 +105,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "'gemv' and 'attention' (e.g. '[{}, {\"gemv\": {\"num_warps\": 8}}]')",
     )
     parser.add_argument("--rounds", type=int, default=3, help="turns of each variant (3)")
+    parser.add_argument(
+        "--sample",
+        choices=("none", "greedy", "temperature"),
+        default="none",
+        help="launch the sampler on each step's logits: every row greedy, or drawn at "
+        "temperature 1 (default none: the forward alone)",
+    )
     add_engine_args(parser)  # --max-num-seqs and --max-model-len follow the shape
     args = parser.parse_args(argv)
     if min(args.batch_size, args.context, args.iters, args.profile_iters, args.rounds) < 1:
@@ -182,8 +194,15 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     runner, device = engine.executor.runner, engine.device
     packed = decode_step(engine, args.batch_size, args.context)
 
+    sampler = Sampler()
+    params = SamplingParams(temperature=0.0 if args.sample == "greedy" else 1.0)
+    rows = [SamplingRow(params, 0, [], []) for _ in range(args.batch_size)]
+    generator = torch.Generator(device).manual_seed(0)
+
     def run() -> None:
-        runner.execute(packed)
+        logits = runner.execute(packed)
+        if args.sample != "none":
+            sampler.launch(logits, rows, generator)
 
     def timed() -> float:
         if device.type == "cuda":
@@ -229,6 +248,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         "batch_size": args.batch_size,
         "context": args.context,
         "state_dtype": config.mamba_ssm_cache_dtype,
+        "sample": args.sample,
         "graph": runner.graphs is not None
         and runner.graphs.can_run(ForwardBatch.from_packed(packed, device)),
         "step_ms": 1e3 * step_s,

@@ -27,7 +27,8 @@
 #   b1           batch-1 decode step at 2k (graph replay) of Mamba2-2.7B, Mamba-2.8B,
 #                Llama-3-8B, Bamba-9B, median of 3 rounds; VARIANTS (a JSON list's items,
 #                as decode_profile --variants takes them) adds launch parameter sets that
-#                take turns with the defaults in each model's process               ~2 min
+#                take turns with the defaults in each model's process; SAMPLE (greedy or
+#                temperature) has each step launch the sampler too                  ~2 min
 #   pdl          bench_pdl.py's chains; batch-1 Mamba2-2.7B, Bamba-9B without and with PDL ~3 min
 #   pdl2         the same for Mamba-2.8B and Llama-3-8B; Mamba2-2.7B profiles   ~3 min
 #   pdl3         PDL beyond batch 1, with and without: Bamba-9B b256 fp32 state and
@@ -113,8 +114,8 @@ section() {
         for model in mamba2-2.7b mamba-2.8b llama-3-8b bamba-9b; do
             python3 benchmarks/decode_profile.py --model "$configs/$model" "${dummy[@]}" \
                 --batch-size 1 --context 2048 --iters 200 --rounds 3 \
-                --variants "[{}${VARIANTS:+, $VARIANTS}]" \
-                --json "$dir/decode_profile_${model}_b1_2k.json" || return
+                --variants "[{}${VARIANTS:+, $VARIANTS}]" --sample "${SAMPLE:-none}" \
+                --json "$dir/decode_profile_${model}_b1_2k${SAMPLE:+_$SAMPLE}.json" || return
         done
         ;;
     pdl)

@@ -457,6 +457,32 @@ def test_decode_profile_times_a_built_decode_step_without_prefilling(checkpoint,
     assert any(k["kernel"] == "aten::mm" for k in kernels)
 
 
+@pytest.mark.parametrize("sample", ["greedy", "temperature"])
+def test_decode_profile_samples_each_step_when_asked(checkpoint, monkeypatch, sample):
+    """--sample: every step (3 warm-up, then --iters a round) launches the sampler on that
+    step's logits, one row a request, greedy or at temperature 1."""
+    from ssmserve.engine.sampler import Sampler
+
+    seen = []
+    launch = Sampler.launch
+
+    def recording_launch(self, logits, rows, generator, logits_rows=None):
+        seen.append((tuple(logits.shape), [r.params.temperature for r in rows]))
+        return launch(self, logits, rows, generator, logits_rows)
+
+    monkeypatch.setattr(Sampler, "launch", recording_launch)
+    bench = load_benchmark("decode_profile")
+    report = bench.main(
+        ["--model", checkpoint("bamba"), "--batch-size", "2", "--context", "9", "--iters", "2"]
+        + ["--rounds", "1", "--sample", sample, "--device", "cpu", "--dtype", "float32"]
+        + ["--cache-memory", str(24 * 2**20)]
+    )
+    temperature = 0.0 if sample == "greedy" else 1.0
+    assert len(seen) == 3 + 2
+    assert all(shape[0] == 2 and temps == [temperature] * 2 for shape, temps in seen)
+    assert report["sample"] == sample and report["step_ms"] > 0
+
+
 def test_decode_profile_sets_the_decode_attention_launch_parameters_for_its_run():
     """--attention-decode-config: its keys over the decode attention's defaults while the
     run lasts (a call's own config still wins), the defaults back after; an unknown key
