@@ -192,6 +192,38 @@ def test_stochastic_rounding_under_graphs_equals_eager(checkpoint, variant):
     assert logprobs(graphed) != logprobs(nearest)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_sampler_draw_gives_the_tensor_ops_tokens_through_the_engine(
+    checkpoint, monkeypatch, temperature
+):
+    """On the GPU the sampler draws plain rows (all greedy, or all from the engine's
+    generator at a temperature; no logprobs asked) in two launches (kernels/sampling.py):
+    through the engine, with graphs and the overlapped loop, the tokens the tensor ops
+    draw from the same seed, and the same cumulative logprob within 1e-3."""
+    from ssmserve.engine import sampler
+
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 7, 30, 12, 5)]
+    params = SamplingParams(max_tokens=24, temperature=temperature, ignore_eos=True)
+    kwargs = dict(device="cuda", dtype="float32", max_num_seqs=8, cache_memory=2**28, seed=3)
+    calls = []
+    draw = sampler.draw_triton
+
+    def counted(*args):
+        calls.append(args[1] is not None)
+        return draw(*args)
+
+    monkeypatch.setattr(sampler, "draw_triton", counted)
+    fused = LLM(checkpoint("bamba"), **kwargs).generate(prompts, params)
+    assert calls and all(sampled == (temperature > 0) for sampled in calls)
+    monkeypatch.setattr(sampler, "HAS_TRITON", False)  # the tensor ops
+    calls.clear()
+    ops = LLM(checkpoint("bamba"), **kwargs).generate(prompts, params)
+    assert not calls
+    for a, b in zip(ops, fused):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert abs(a.outputs[0].cumulative_logprob - b.outputs[0].cumulative_logprob) < 1e-3
+
+
 @pytest.mark.parametrize(("L", "n"), [(300, 300), (300, 1100), (64, 4096), (1, 513)])
 def test_cudnn_fused_attention_equals_float64_reference(L, n):
     """16-bit long-prompt attention on sm_90 goes through cuDNN in two parts (the chunk's
