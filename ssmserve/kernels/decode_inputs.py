@@ -22,14 +22,13 @@ STATIC = ("input_ids", "positions", "slot_mapping", "seq_lens", "state_slots", "
 
 def packed_offsets(head: list[int]) -> dict[str, int]:
     """Where a packed decode step's parts start (`StepInputs.pack`), from its header."""
-    T, S, K, width, *_, n_fill = head
+    T, S, K = head[:3]
     offsets = {"input_ids": HEADER_LEN, "positions": HEADER_LEN + T}
     offsets["slot_mapping"] = HEADER_LEN + 2 * T
     offsets["seq_lens"] = HEADER_LEN + 3 * T + S + 1  # after query_start_loc
     offsets["state_slots"] = offsets["seq_lens"] + 2 * S  # after the context lengths
     offsets["block_tables"] = offsets["state_slots"] + S + K  # after the logits rows
-    offsets["fills"] = -2 * n_fill  # from the end: the fills' token indices, then rows
-    return offsets
+    return offsets  # the fills are last: their token indices, then their rows
 
 
 def decode_inputs_ref(
@@ -41,7 +40,7 @@ def decode_inputs_ref(
 ) -> None:
     """Write decode step `packed` (on the device, its header `head` on the host: S
     sequences of one token each, `table_width` block-table columns) into the `static`
-    buffers (STATIC names, rows >= `size`), padding rows S..size-1. `tokens`: the step
+    buffers (STATIC names, each of at least `size` rows), padding rows S..size-1. `tokens`: the step
     before's sampled ids, which the step's fills read."""
     T, S, _, width, *_, n_fill = head
     at = packed_offsets(head)
