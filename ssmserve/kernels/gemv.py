@@ -75,6 +75,15 @@ def gemv_ref(
     return F.linear(x, weight, bias)
 
 
+def _check_gemv_act_args(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str
+) -> tuple[int, int, int]:
+    """Validate a gated GEMV's arguments; return (2I, K, I)."""
+    N, K = _check_gemv_args(x, weight, bias)
+    _, inter = _check_act_args(x.new_empty(0, N), act)
+    return N, K, inter
+
+
 def gemv_act_and_mul_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -86,8 +95,7 @@ def gemv_act_and_mul_ref(
     """x [1, K], weight [2I, K] (gate's rows, then up's), bias [2I] or None ->
     act(gate) * up, [1, I] in x's dtype: `act_and_mul` of F.linear. `pdl` is the Triton
     launcher's."""
-    N, _ = _check_gemv_args(x, weight, bias)
-    _check_act_args(x.new_empty(0, N), act)
+    _check_gemv_act_args(x, weight, bias, act)
     return act_and_mul_ref(F.linear(x, weight, bias), act=act)
 
 
@@ -269,8 +277,7 @@ def gemv_act_and_mul_triton(
     """Triton twin of `gemv_act_and_mul_ref` (same arguments and shapes): bit for bit
     `act_and_mul_triton` of `gemv_triton` at the same tile shape (`config` is the GEMV's
     for the whole [2I, K] weight; a tile of one row takes two, a gate and an up row)."""
-    N, K = _check_gemv_args(x, weight, bias)
-    _, inter = _check_act_args(x.new_empty(0, N), act)
+    N, K, inter = _check_gemv_act_args(x, weight, bias, act)
     out = torch.empty(1, inter, dtype=x.dtype, device=x.device)
     if inter == 0:
         return out
