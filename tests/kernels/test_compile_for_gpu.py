@@ -103,7 +103,8 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
     packed = step.pack()
     static = ForwardBatch.from_packed(packed.clone(), DEVICE)
     decode_inputs_triton(
-        packed, packed[:HEADER_LEN].tolist(), torch.zeros(1, dtype=torch.long),
+        packed.to(DEVICE), packed[:HEADER_LEN].tolist(),
+        torch.zeros(1, dtype=torch.long, device=DEVICE),
         {name: getattr(static, name) for name in STATIC}, 1,
     )  # fmt: skip
     monkeypatch.undo()
