@@ -231,3 +231,33 @@ def test_cache_copies_move_rows_of_every_layer_through_the_stacks():
     for _, stack in odd.stacks:
         offsets = [view.data_ptr() - stack.data_ptr() for view in stack.unbind(0)]
         assert offsets[1] > 0 and all(offset % 256 == 0 for offset in offsets)
+
+
+@pytest.mark.parametrize("variant", ["bamba", "llama"])
+def test_a_decode_graphs_batch_takes_its_hidden_rows_as_its_logits_rows(checkpoint, variant):
+    """A decode graph's batch (`decode_prefix`) skips the logits gather only when its
+    logits rows are 0..n-1, and its logits are then the gathered rows' logits (the
+    forward over the same batch with the gather)."""
+    from ssmserve.layers.batch import ForwardBatch, StepInputs
+
+    llm = LLM(checkpoint(variant), dtype="float32", cache_memory=2**24)
+    runner = llm.llm_engine.executor.runner
+    n = 4
+
+    def batch(rows: list[int]) -> ForwardBatch:
+        # Four one-token sequences on state slot -1 and KV slot -1: they touch no cache.
+        inputs = StepInputs(logits_indices=rows, num_decodes=n)
+        for i in range(n):
+            inputs.add_sequence([5 + 7 * i], 1, [], runner.block_size, None)
+        inputs.block_tables = [[0]] * n
+        return ForwardBatch.from_packed(inputs.pack(), runner.device)
+
+    in_order, swapped = batch(list(range(n))), batch([1, 0, 2, 3])
+    assert not in_order.all_logits  # a step's batch always gathers
+    graph_batch = in_order.decode_prefix(n)
+    assert graph_batch.all_logits and not swapped.decode_prefix(n).all_logits
+    expected = runner.forward_logits(in_order)
+    torch.testing.assert_close(runner.forward_logits(graph_batch), expected, rtol=0, atol=0)
+    # The rows differ from one another: a gather that reordered them would show.
+    assert not torch.equal(expected[0], expected[1])
+    torch.testing.assert_close(runner.forward_logits(swapped), expected[[1, 0, 2, 3]])

@@ -172,7 +172,8 @@ class ModelRunner:
     def forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [K, vocab] (float32) of the rows in batch.logits_indices, eagerly."""
         hidden = self.model(batch, self.caches)
-        return self.model.compute_logits(hidden[batch.logits_indices]).float()
+        rows = hidden if batch.all_logits else hidden[batch.logits_indices]
+        return self.model.compute_logits(rows).float()
 
     @torch.inference_mode()
     def execute(

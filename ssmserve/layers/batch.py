@@ -189,6 +189,9 @@ class ForwardBatch:
     # Input tokens still to fill in from the step before's sampled ids on the device:
     # (token indices, sampled rows); None when there are none.
     fills: tuple[torch.Tensor, torch.Tensor] | None = None
+    # logits_indices is 0..T-1 (a decode graph's batch): the logits rows are the hidden
+    # rows as they are, with no gather.
+    all_logits: bool = False
 
     # conv width -> the step's conv snapshot sources, made by the first layer that asks.
     _conv_snapshots: dict[int, ConvSnapshotSources] = field(
@@ -239,6 +242,7 @@ class ForwardBatch:
             num_decodes=n,
             query_start_loc_p=self.query_start_loc_p,
             start_positions_p=self.start_positions_p,
+            all_logits=torch.equal(self.logits_indices[:n].cpu(), torch.arange(n)),
         )
 
     @classmethod

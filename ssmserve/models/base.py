@@ -42,8 +42,8 @@ class PreNormBlock(nn.Module):
     """A decoder block that starts with an RMSNorm of its input and ends by adding its
     last branch's output to the residual stream: `forward(h)` is `h' + out` for
     `(out, h') = forward_residual(pre_norm()(h), h, ...)`. `CausalLM.run_layers` leaves
-    that last add to the next block's norm (`RMSNorm.add_forward`: one kernel for the
-    add and the norm, rounded as the add followed by the norm)."""
+    that last add to the next block's norm, or the final norm (`RMSNorm.add_forward`: one
+    kernel for the add and the norm, rounded as the add followed by the norm)."""
 
     def pre_norm(self) -> nn.Module:
         """The norm the block starts with: `input_layernorm` unless the family names it
@@ -151,16 +151,20 @@ class CausalLM(nn.Module):
         hidden = (
             self.input_embeddings()(batch.input_ids) if received is None else received["hidden"]
         )
-        hidden = self.run_layers(hidden, batch, caches)
+        hidden, out = self.run_layers(hidden, batch, caches)
         if not stage.is_last:
-            return {"hidden": hidden}
-        return self.final_norm()(hidden)
+            return {"hidden": hidden if out is None else hidden + out}
+        if out is None:
+            return self.final_norm()(hidden)
+        return self.final_norm().add_forward(out, hidden)[0]
 
     def run_layers(
         self, hidden: torch.Tensor, batch: ForwardBatch, caches: list[LayerCache]
-    ) -> torch.Tensor:
-        """This stage's decoder blocks over `hidden`, in order; a PreNormBlock's last
-        residual add is fused into the next PreNormBlock's norm."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This stage's decoder blocks over `hidden`, in order: (the residual stream, the
+        last block's output not yet added to it, or None). A PreNormBlock's last residual
+        add is fused into the next PreNormBlock's norm, the last block's into the final
+        norm (`forward`)."""
         layers = self.decoder_layers()
         out = None  # the last block's branch output, not yet added to `hidden`
         for i in self.stage.layers:
@@ -175,7 +179,7 @@ class CausalLM(nn.Module):
             else:
                 x, hidden = layer.pre_norm().add_forward(out, hidden)
             out, hidden = layer.forward_residual(x, hidden, batch, caches[i])
-        return hidden if out is None else hidden + out
+        return hidden, out
 
     def intermediate_spec(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Shapes and dtypes of what a stage sends the next one."""

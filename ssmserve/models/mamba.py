@@ -70,11 +70,12 @@ class MambaStyleLM(CausalLM):
 
     def run_layers(
         self, hidden: torch.Tensor, batch: ForwardBatch, caches: list[LayerCache]
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The blocks as HF runs them, each adding the residual (in float32 when
         residual_in_fp32) and feeding the sum on, with the same roundings; each add is
         fused into the next block's norm (`add_rms_norm`: one kernel for the add, the
-        cast and the norm)."""
+        cast and the norm). Returns (the residual, the last block's output not yet
+        added), as `CausalLM.run_layers`."""
         layers = self.decoder_layers()
         residual, out = hidden, None
         for i in self.stage.layers:
@@ -87,7 +88,7 @@ class MambaStyleLM(CausalLM):
                     out, residual, block.norm.weight, eps=block.norm.eps
                 )
             out = block.mixer(x, batch, caches[i].state)
-        return residual + out if out is not None else residual
+        return residual, out
 
     @property
     def residual_dtype(self) -> torch.dtype:

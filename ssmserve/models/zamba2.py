@@ -303,11 +303,11 @@ class Zamba2ForCausalLM(CausalLM):
             else:
                 x, hidden = layer.input_layernorm.add_forward(out, hidden)
             out = layer.mamba(x, batch, caches[i].state)
-        if out is not None:
-            hidden = hidden + out
         if not self.stage.is_last:
-            return {"hidden": hidden, "embeds": embeds}
-        return self.model.final_layernorm(hidden)
+            return {"hidden": hidden if out is None else hidden + out, "embeds": embeds}
+        if out is None:
+            return self.model.final_layernorm(hidden)
+        return self.model.final_layernorm.add_forward(out, hidden)[0]
 
     def intermediate_spec(self, num_tokens: int):
         spec = super().intermediate_spec(num_tokens)
