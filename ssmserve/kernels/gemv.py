@@ -67,12 +67,19 @@ def _check_gemv_args(
 
 
 def gemv_ref(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """x [1, K], weight [N, K] (nn.Linear's layout), bias [N] or None -> x weight^T +
-    bias, [1, N] in x's dtype: exactly F.linear. `pdl` is the Triton launcher's."""
+    bias, [1, N] in x's dtype: exactly F.linear; with `out_dtype`, that result cast to it
+    (an LM head's float32 logits). `pdl` is the Triton launcher's."""
     _check_gemv_args(x, weight, bias)
-    return F.linear(x, weight, bias)
+    y = F.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def _check_gemv_act_args(
@@ -199,7 +206,8 @@ def _gemv_kernel(
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows).to(tl.float32)
-    y = y.to(out_ptr.dtype.element_ty)
+    # Rounded to x's dtype as F.linear rounds, then stored in out's (float32 logits).
+    y = y.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
     if ACT < 0:
         tl.store(out_ptr + offs_n, y, mask=offs_n < N)
     else:
@@ -251,13 +259,15 @@ def gemv_triton(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
+    out_dtype: torch.dtype | None = None,
     pdl: bool = False,
     config: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Triton twin of `gemv_ref` (same arguments and shapes; the sum in another order,
-    rounded once). `pdl`: launch with programmatic dependent launch (sm_90)."""
+    rounded once to x's dtype, stored in `out_dtype`'s). `pdl`: launch with programmatic
+    dependent launch (sm_90)."""
     N, K = _check_gemv_args(x, weight, bias)
-    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    out = torch.empty(1, N, dtype=out_dtype or x.dtype, device=x.device)
     if N == 0:
         return out
     if K == 0:

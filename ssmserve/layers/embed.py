@@ -62,6 +62,10 @@ class ParallelLMHead(nn.Module):
     """
 
     decode_gemv: Callable[..., torch.Tensor] | None = None
+    # The logits' dtype: float32, rounded to the weight's dtype first as F.linear's are (a
+    # one-row GEMV stores them so, with no cast launch). None keeps the weight's dtype, for
+    # a family that scales its logits in that dtype, as transformers does.
+    out_dtype: torch.dtype | None = torch.float32
 
     def __init__(
         self,
@@ -77,5 +81,6 @@ class ParallelLMHead(nn.Module):
         self.weight = source.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather(linear(hidden, self.weight, None, self.decode_gemv))
+        local = linear(hidden, self.weight, None, self.decode_gemv, self.out_dtype)
+        logits = self.tp.all_gather(local)
         return logits if logits.shape[-1] == self.vocab_size else logits[:, : self.vocab_size]

@@ -120,14 +120,19 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     gemv: Callable[..., torch.Tensor] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """F.linear, or for one row of x the module's `decode_gemv` where the model runner
     set one (decode with programmatic dependent launch, `get_ops(pdl=True)`: the GEMV in
     captured CUDA graphs, F.linear eagerly) and the weight's rows are contiguous, as the
-    GEMV reads them."""
+    GEMV reads them. `out_dtype`: the result cast to it (the GEMV stores it so, with no
+    launch of its own)."""
     if gemv is not None and x.dim() == 2 and x.shape[0] == 1 and weight.stride(1) == 1:
-        return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
+        if out_dtype is None:
+            return gemv(x, weight, bias)
+        return gemv(x, weight, bias, out_dtype=out_dtype)
+    y = F.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 class ColumnParallelLinear(nn.Module):

@@ -161,6 +161,8 @@ class FalconH1ForCausalLM(CausalLM):
         )
         self.lm_head = self.make_lm_head(hf_config.vocab_size, hf_config.hidden_size)
         self.lm_head_multiplier = float(hf_config.lm_head_multiplier)
+        # The logits are scaled in the weight's dtype, as transformers scales them.
+        self.lm_head.out_dtype = None
 
     def input_embeddings(self) -> VocabParallelEmbedding:
         return self.model.embed_tokens

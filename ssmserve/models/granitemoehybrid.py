@@ -177,6 +177,8 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         )
         self.model.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, ops=ctx.ops)
         self.lm_head = self.make_lm_head(hf_config.vocab_size, hf_config.hidden_size)
+        # The logits are scaled in the weight's dtype, as transformers scales them.
+        self.lm_head.out_dtype = None
 
     def input_embeddings(self) -> VocabParallelEmbedding:
         return self.model.embed_tokens

@@ -107,10 +107,17 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
         torch.zeros(1, dtype=torch.long, device=DEVICE),
         {name: getattr(static, name) for name in STATIC}, 1,
     )  # fmt: skip
+    # A bf16 model's LM head at one row: the GEMV stores float32 logits.
+    head = torch.zeros(32, 64, dtype=torch.bfloat16, device=DEVICE)
+    gemv_triton(head[:1], head, out_dtype=torch.float32)
     monkeypatch.undo()
     names = {name for name, _ in launches}
     gemv_acts = {kw["ACT"] for k, _, kw in launches.values() if k.name == "_gemv_kernel"}
     assert -1 in gemv_acts and any(act >= 0 for act in gemv_acts), gemv_acts
+    assert any(
+        k.name == "_gemv_kernel" and a[0].dtype == torch.bfloat16 and a[3].dtype == torch.float32
+        for k, a, _ in launches.values()
+    )
     # RoPE writes the K/V into the cache in its launch.
     rope = {kw["WRITE_KV"] for k, _, kw in launches.values() if k.name == "_rotary_kernel"}
     assert rope == {True}, rope

@@ -75,6 +75,28 @@ def test_gated_gemv_is_act_and_mul_of_the_gemv(act, dtype, bias, inter, K, confi
     assert_close(gemv_act_and_mul_ref(x, w, b, act=act), act_and_mul_ref(f64, act=act))
 
 
+@requires_triton
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("N, K", [(37, 40), (301, 2560)])
+def test_float32_out_is_the_bf16_result_cast(bias, N, K):
+    """out_dtype=float32 (an LM head's logits): every value the bf16 GEMV's, bit for bit,
+    widened to float32 (rounded to bf16 first, as F.linear then .float() give), from the
+    Triton kernel and from the twin; and not the float32 sum left unrounded."""
+    gen = seeded(2)
+    x = randn(1, K, gen=gen, dtype=torch.bfloat16).to(DEVICE)
+    w = randn(N, K, gen=gen, dtype=torch.bfloat16, scale=K**-0.5).to(DEVICE)
+    b = randn(N, gen=gen, dtype=torch.bfloat16).to(DEVICE) if bias else None
+    got = gemv_triton(x, w, b, out_dtype=torch.float32)
+    assert got.shape == (1, N) and got.dtype == torch.float32
+    assert torch.equal(got, gemv_triton(x, w, b).float())
+    assert torch.equal(got.bfloat16().float(), got)  # every value a bf16 value
+    want = gemv_ref(x, w, b, out_dtype=torch.float32)
+    assert want.dtype == torch.float32 and torch.equal(want, F.linear(x, w, b).float())
+    assert_close(got.bfloat16(), want.bfloat16())  # the sums in another order
+    unrounded = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert not torch.equal(got, unrounded)
+
+
 def test_gated_gemv_refuses_what_act_and_mul_refuses():
     with pytest.raises(ValueError, match="act_and_mul supports"):
         gemv_act_and_mul_ref(torch.zeros(1, 4), torch.zeros(6, 4), act="tanh")
