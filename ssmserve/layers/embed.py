@@ -62,9 +62,11 @@ class ParallelLMHead(nn.Module):
     """
 
     decode_gemv: Callable[..., torch.Tensor] | None = None
-    # The logits' dtype: float32, rounded to the weight's dtype first as F.linear's are (a
-    # one-row GEMV stores them so, with no cast launch). None keeps the weight's dtype, for
-    # a family that scales its logits in that dtype, as transformers does.
+    # The dtype of one row's logits: float32, rounded to the weight's dtype first as
+    # F.linear's are (the one-row GEMV of batch-1 decode stores them so, with no cast
+    # launch). None keeps the weight's dtype, for a family that scales its logits in that
+    # dtype, as transformers does. More rows keep the weight's dtype (half the bytes to
+    # gather across ranks); the model runner widens them.
     out_dtype: torch.dtype | None = torch.float32
 
     def __init__(
@@ -81,6 +83,7 @@ class ParallelLMHead(nn.Module):
         self.weight = source.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = linear(hidden, self.weight, None, self.decode_gemv, self.out_dtype)
+        out_dtype = self.out_dtype if hidden.shape[0] == 1 else None
+        local = linear(hidden, self.weight, None, self.decode_gemv, out_dtype)
         logits = self.tp.all_gather(local)
         return logits if logits.shape[-1] == self.vocab_size else logits[:, : self.vocab_size]
