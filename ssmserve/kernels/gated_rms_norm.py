@@ -181,23 +181,33 @@ def _check_add_norm_args(
 
 
 def add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float, pdl: bool = False
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    eps: float,
+    cast_sum: bool = True,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(s.to(weight.dtype)), s) for s = residual + x in residual's dtype.
 
     The same values as `s = residual + x` followed by the RMSNorm of `s` cast to the
     weight's dtype (float32 statistics; the normalised value rounded to that dtype
     before the weight multiply), as Hugging Face's Mamba and Mamba2 blocks compute it.
-    x: [T, H] (a block's output); residual: [T, H]; weight: [H]. `pdl` is the Triton
-    launcher's.
+    With `cast_sum=False`, the RMSNorm of `s` itself (the normalised value rounded to s's
+    dtype before the weight multiply), cast to the weight's dtype: a Mamba model's final
+    norm of its float32 residual, then the cast before the LM head. x: [T, H] (a block's
+    output); residual: [T, H]; weight: [H]. `pdl` is the Triton launcher's.
     """
     _check_add_norm_args(x, residual, weight)
     s = residual + x
     if s.dtype != residual.dtype:
         s = s.to(residual.dtype)
-    h = s.to(weight.dtype).float()
+    h = (s.to(weight.dtype) if cast_sum else s).float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(weight.dtype), s
+    if cast_sum:
+        return weight * h.to(weight.dtype), s
+    return (weight * h.to(s.dtype)).to(weight.dtype), s
 
 
 @lazy_jit
@@ -213,6 +223,7 @@ def _add_rms_norm_kernel(
     stride_r_t,
     stride_y_t,
     stride_s_t,
+    CAST_SUM: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -229,14 +240,27 @@ def _add_rms_norm_kernel(
     r = tl.load(residual_ptr + row * stride_r_t + offs, mask=mask, other=0.0)
     s = (r.to(tl.float32) + x.to(tl.float32)).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row * stride_s_t + offs, s, mask=mask)
-    h = s.to(w.dtype).to(tl.float32)
+    # The norm's input and its normalised value in the weight's dtype, or in s's.
+    if CAST_SUM:
+        h = s.to(w.dtype).to(tl.float32)
+    else:
+        h = s.to(tl.float32)
     h = h / tl.sqrt(tl.sum(h * h, axis=0) / hidden + eps)
-    out = w.to(tl.float32) * h.to(w.dtype).to(tl.float32)
+    if CAST_SUM:
+        out = w.to(tl.float32) * h.to(w.dtype).to(tl.float32)
+    else:
+        out = w.to(tl.float32) * h.to(s.dtype).to(tl.float32)
     tl.store(y_ptr + row * stride_y_t + offs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float, pdl: bool = False
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    eps: float,
+    cast_sum: bool = True,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of `add_rms_norm_ref` (same arguments, shapes and result): one kernel
     instead of the add, the cast and the norm. `pdl`: launch with programmatic dependent
@@ -261,6 +285,7 @@ def add_rms_norm_triton(
         residual.stride(0),
         y.stride(0),
         s.stride(0),
+        CAST_SUM=cast_sum,
         BLOCK=block,
         PDL=pdl,
         num_warps=min(16, max(1, block // 256)),

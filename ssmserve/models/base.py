@@ -156,6 +156,11 @@ class CausalLM(nn.Module):
             return {"hidden": hidden if out is None else hidden + out}
         if out is None:
             return self.final_norm()(hidden)
+        return self.final_add_norm(out, hidden)
+
+    def final_add_norm(self, out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm of hidden + out (the last block's output, not yet added): one
+        kernel for the add and the norm, as between blocks."""
         return self.final_norm().add_forward(out, hidden)[0]
 
     def run_layers(

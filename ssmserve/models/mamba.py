@@ -90,6 +90,14 @@ class MambaStyleLM(CausalLM):
             out = block.mixer(x, batch, caches[i].state)
         return residual, out
 
+    def final_add_norm(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """norm_f of residual + out as HF runs it (the sum normalised in the residual's
+        dtype, float32 with residual_in_fp32), in the LM head's dtype: the add, the norm
+        and the cast in one kernel."""
+        norm = self.final_norm()
+        y, _ = self.ctx.ops.add_rms_norm(out, residual, norm.weight, eps=norm.eps, cast_sum=False)
+        return y
+
     @property
     def residual_dtype(self) -> torch.dtype:
         if getattr(self.hf_config, "residual_in_fp32", True):
