@@ -39,7 +39,7 @@ def decode_inputs_ref(
     size: int,
 ) -> None:
     """Write decode step `packed` (on the device, its header `head` on the host: S
-    sequences of one token each, `table_width` block-table columns) into the `static`
+    sequences of one token each, `width` block-table columns) into the `static`
     buffers (STATIC names, each of at least `size` rows), padding rows S..size-1. `tokens`: the step
     before's sampled ids, which the step's fills read."""
     T, S, _, width, *_, n_fill = head

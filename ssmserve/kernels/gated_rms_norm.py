@@ -203,11 +203,10 @@ def add_rms_norm_ref(
     s = residual + x
     if s.dtype != residual.dtype:
         s = s.to(residual.dtype)
-    h = (s.to(weight.dtype) if cast_sum else s).float()
+    n = s.to(weight.dtype) if cast_sum else s  # the norm's input, in its dtype
+    h = n.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if cast_sum:
-        return weight * h.to(weight.dtype), s
-    return (weight * h.to(s.dtype)).to(weight.dtype), s
+    return (weight * h.to(n.dtype)).to(weight.dtype), s
 
 
 @lazy_jit
@@ -240,16 +239,11 @@ def _add_rms_norm_kernel(
     r = tl.load(residual_ptr + row * stride_r_t + offs, mask=mask, other=0.0)
     s = (r.to(tl.float32) + x.to(tl.float32)).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row * stride_s_t + offs, s, mask=mask)
-    # The norm's input and its normalised value in the weight's dtype, or in s's.
-    if CAST_SUM:
-        h = s.to(w.dtype).to(tl.float32)
-    else:
-        h = s.to(tl.float32)
+    # The norm's input, and its normalised value, in the weight's dtype or in s's.
+    n = s.to(w.dtype) if CAST_SUM else s
+    h = n.to(tl.float32)
     h = h / tl.sqrt(tl.sum(h * h, axis=0) / hidden + eps)
-    if CAST_SUM:
-        out = w.to(tl.float32) * h.to(w.dtype).to(tl.float32)
-    else:
-        out = w.to(tl.float32) * h.to(s.dtype).to(tl.float32)
+    out = w.to(tl.float32) * h.to(n.dtype).to(tl.float32)
     tl.store(y_ptr + row * stride_y_t + offs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 

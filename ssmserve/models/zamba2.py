@@ -305,9 +305,7 @@ class Zamba2ForCausalLM(CausalLM):
             out = layer.mamba(x, batch, caches[i].state)
         if not self.stage.is_last:
             return {"hidden": hidden if out is None else hidden + out, "embeds": embeds}
-        if out is None:
-            return self.model.final_layernorm(hidden)
-        return self.model.final_layernorm.add_forward(out, hidden)[0]
+        return self.final_norm()(hidden) if out is None else self.final_add_norm(out, hidden)
 
     def intermediate_spec(self, num_tokens: int):
         spec = super().intermediate_spec(num_tokens)

@@ -56,45 +56,26 @@ def test_group_size_must_divide():
     ("residual_dtype", "dtype"),
     [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32,) * 2],
 )
-def test_add_rms_norm_equals_the_add_then_hf_mamba2_norm(residual_dtype, dtype):
-    """Bit for bit what a Mamba2 block does: residual + output (in the residual's dtype),
-    then the next block's RMSNorm of the sum cast to the weight dtype."""
+@pytest.mark.parametrize("cast_sum", [True, False])
+def test_add_rms_norm_equals_the_add_then_hf_mamba2_norm(residual_dtype, dtype, cast_sum):
+    """Bit for bit what a Mamba2 model does: residual + output (in the residual's dtype),
+    then the next block's RMSNorm of the sum cast to the weight dtype; or, with
+    cast_sum=False, what it ends with: norm_f of that sum as it is (float32 with
+    residual_in_fp32), then the cast to the LM head's dtype."""
     from transformers.models.mamba2.modeling_mamba2 import Mamba2RMSNorm
 
-    gen = seeded(3)
+    gen = seeded(3 if cast_sum else 5)
     out = randn(6, 40, gen=gen, dtype=dtype)
     residual = randn(6, 40, gen=gen, dtype=residual_dtype) * 4
     hf = Mamba2RMSNorm(40, eps=1e-5).to(dtype)
     with torch.no_grad():
         hf.weight.copy_(randn(40, gen=gen))
         total = residual + out
-        expected = hf(total.to(dtype))
-    y, s = add_rms_norm_ref(out, residual, hf.weight.detach(), eps=1e-5)
+        expected = hf(total.to(dtype)) if cast_sum else hf(total).to(dtype)
+    w = hf.weight.detach()
+    y, s = add_rms_norm_ref(out, residual, w, eps=1e-5, cast_sum=cast_sum)
     assert s.dtype == residual_dtype and torch.equal(s, total)
     assert y.dtype == dtype and torch.equal(y, expected)
-
-
-@pytest.mark.parametrize(
-    ("residual_dtype", "dtype"),
-    [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32,) * 2],
-)
-def test_add_rms_norm_without_the_cast_is_hf_mamba2_final_norm(residual_dtype, dtype):
-    """cast_sum=False, bit for bit what a Mamba2 model ends with: the last block's
-    residual + output, norm_f of that sum as it is (float32 with residual_in_fp32), then
-    the cast to the LM head's dtype."""
-    from transformers.models.mamba2.modeling_mamba2 import Mamba2RMSNorm
-
-    gen = seeded(5)
-    out = randn(6, 40, gen=gen, dtype=dtype)
-    residual = randn(6, 40, gen=gen, dtype=residual_dtype) * 4
-    hf = Mamba2RMSNorm(40, eps=1e-5).to(dtype)
-    with torch.no_grad():
-        hf.weight.copy_(randn(40, gen=gen))
-        total = residual + out
-        expected = hf(total).to(dtype)
-    y, s = add_rms_norm_ref(out, residual, hf.weight.detach(), eps=1e-5, cast_sum=False)
-    assert s.dtype == residual_dtype and torch.equal(s, total)
-    assert y.dtype == dtype and torch.equal(y, expected)
-    if residual_dtype != dtype:  # the cast before the norm changes the result here
-        cast_first, _ = add_rms_norm_ref(out, residual, hf.weight.detach(), eps=1e-5)
+    if not cast_sum and residual_dtype != dtype:  # the cast before the norm changes it here
+        cast_first, _ = add_rms_norm_ref(out, residual, w, eps=1e-5)
         assert not torch.equal(cast_first, expected)
