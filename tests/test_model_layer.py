@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from ssmserve import LLM
+from ssmserve import LLM, SamplingParams
 from ssmserve.distributed.parallel import TensorParallel
 from ssmserve.layers.embed import VocabParallelEmbedding
 from ssmserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -261,3 +261,28 @@ def test_a_decode_graphs_batch_takes_its_hidden_rows_as_its_logits_rows(checkpoi
     # The rows differ from one another: a gather that reordered them would show.
     assert not torch.equal(expected[0], expected[1])
     torch.testing.assert_close(runner.forward_logits(swapped), expected[[1, 0, 2, 3]])
+
+
+@pytest.mark.parametrize("variant", ["mamba", "mamba2"])
+def test_a_mamba_models_first_block_embeds_in_its_norms_launch(checkpoint, variant, monkeypatch):
+    """On one rank a Mamba model's first block gathers the embedding in its norm's
+    kernel (`embed_rms_norm`, no embedding forward of its own), and its logits are the
+    separate embedding, norm and float32 copy's, bit for bit."""
+    from ssmserve.models.base import CausalLM
+    from ssmserve.models.mamba import MambaStyleLM
+
+    llm = LLM(checkpoint(variant), dtype="float32", cache_memory=2**24)
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=2)
+    prompts = [{"prompt_token_ids": [3, 17, 9, 40, 2]}, {"prompt_token_ids": [11, 5]}]
+
+    def embedding_forward(self, ids):
+        raise AssertionError("the fused first block should gather the embedding")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(VocabParallelEmbedding, "forward", embedding_forward)
+        fused = llm.generate(prompts, params)
+    monkeypatch.setattr(MambaStyleLM, "embed", CausalLM.embed)
+    apart = llm.generate(prompts, params)
+    for a, b in zip(fused, apart, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob

@@ -31,6 +31,7 @@ _OPS: dict[str, tuple[str, str]] = {
     "mamba2_decode_update": ("mamba2_decode", "mamba2_decode_update"),
     "gated_rms_norm": ("gated_rms_norm", "gated_rms_norm"),
     "add_rms_norm": ("gated_rms_norm", "add_rms_norm"),
+    "embed_rms_norm": ("gated_rms_norm", "embed_rms_norm"),
     "rotary_embedding": ("rotary", "rotary_embedding"),
     "act_and_mul": ("activation", "act_and_mul"),
     "write_kv_cache": ("paged_attention", "write_kv_cache"),
@@ -49,6 +50,7 @@ _OPS: dict[str, tuple[str, str]] = {
 PDL_OPS = (
     "gemv",
     "add_rms_norm",
+    "embed_rms_norm",
     "gated_rms_norm",
     "mamba2_decode_update",
     "causal_conv1d_update",
@@ -85,6 +87,7 @@ class KernelOps:
     mamba2_decode_update: Callable[..., torch.Tensor]
     gated_rms_norm: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    embed_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     act_and_mul: Callable[..., torch.Tensor]
     write_kv_cache: Callable[..., None]

@@ -209,10 +209,29 @@ def add_rms_norm_ref(
     return (weight * h.to(n.dtype)).to(weight.dtype), s
 
 
+def embed_rms_norm_ref(
+    ids: torch.Tensor,
+    table: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    eps: float,
+    sum_dtype: torch.dtype,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(e.to(weight.dtype)), e.to(sum_dtype)) for e = table[ids]: a Mamba
+    model's first block, which norms the embedding and starts its residual stream from
+    it (float32 with residual_in_fp32), as `add_rms_norm` with a residual of zeros.
+    ids: [T] int; table: [V, H] (the embedding, whole); weight: [H]."""
+    check_shape("ids", ids, [None])
+    x = F.embedding(ids, table)
+    return add_rms_norm_ref(x, x.new_zeros(x.shape, dtype=sum_dtype), weight, eps=eps)
+
+
 @lazy_jit
 def _add_rms_norm_kernel(
     x_ptr,
     residual_ptr,
+    ids_ptr,
     weight_ptr,
     y_ptr,
     sum_ptr,
@@ -223,6 +242,7 @@ def _add_rms_norm_kernel(
     stride_y_t,
     stride_s_t,
     CAST_SUM: tl.constexpr,
+    EMBED: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -235,9 +255,14 @@ def _add_rms_norm_kernel(
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
     if PDL:
         gdc_wait()
-    x = tl.load(x_ptr + row * stride_x_t + offs, mask=mask, other=0.0)
-    r = tl.load(residual_ptr + row * stride_r_t + offs, mask=mask, other=0.0)
-    s = (r.to(tl.float32) + x.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+    if EMBED:  # x is the embedding table, its row this token's id; no residual
+        token = tl.load(ids_ptr + row).to(tl.int64)
+        x = tl.load(x_ptr + token * stride_x_t + offs, mask=mask, other=0.0)
+        s = x.to(tl.float32).to(sum_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + row * stride_x_t + offs, mask=mask, other=0.0)
+        r = tl.load(residual_ptr + row * stride_r_t + offs, mask=mask, other=0.0)
+        s = (r.to(tl.float32) + x.to(tl.float32)).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row * stride_s_t + offs, s, mask=mask)
     # The norm's input, and its normalised value, in the weight's dtype or in s's.
     n = s.to(w.dtype) if CAST_SUM else s
@@ -266,23 +291,55 @@ def add_rms_norm_triton(
         return y, s
     if x.stride(1) != 1 or residual.stride(1) != 1:
         x, residual = x.contiguous(), residual.contiguous()
-    block = next_pow2(H)
-    _add_rms_norm_kernel[(T,)](
+    _launch_add_rms_norm(x, residual, None, weight, y, s, eps, cast_sum, pdl)
+    return y, s
+
+
+def embed_rms_norm_triton(
+    ids: torch.Tensor,
+    table: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    eps: float,
+    sum_dtype: torch.dtype,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `embed_rms_norm_ref` (same arguments and result): the embedding's
+    gather, the norm and the residual's copy in one kernel, `add_rms_norm`'s."""
+    check_shape("ids", ids, [None])
+    check_shape("table", table, [None, weight.shape[0]])
+    T, H = ids.shape[0], weight.shape[0]
+    s = torch.empty(T, H, dtype=sum_dtype, device=table.device)
+    y = torch.empty(T, H, dtype=weight.dtype, device=table.device)
+    if T == 0:
+        return y, s
+    if table.stride(1) != 1:
+        table = table.contiguous()
+    _launch_add_rms_norm(table, s, ids, weight, y, s, eps, True, pdl)
+    return y, s
+
+
+def _launch_add_rms_norm(x, residual, ids, weight, y, s, eps, cast_sum, pdl) -> None:
+    """One program a row of y (`ids` given: x is an embedding table and a row's x is
+    x[ids[row]], with no residual)."""
+    block = next_pow2(y.shape[1])
+    _add_rms_norm_kernel[(y.shape[0],)](
         x,
         residual,
+        x if ids is None else ids,
         weight,
         y,
         s,
-        H,
+        y.shape[1],
         float(eps),
         x.stride(0),
         residual.stride(0),
         y.stride(0),
         s.stride(0),
         CAST_SUM=cast_sum,
+        EMBED=ids is not None,
         BLOCK=block,
         PDL=pdl,
         num_warps=min(16, max(1, block // 256)),
         **pdl_launch(pdl),
     )
-    return y, s

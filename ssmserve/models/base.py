@@ -148,15 +148,18 @@ class CausalLM(nn.Module):
         hidden states [T, hidden] after the final norm; an earlier stage returns what the
         next one needs (`intermediate_spec`). `received`: what the previous stage sent."""
         stage = self.stage
-        hidden = (
-            self.input_embeddings()(batch.input_ids) if received is None else received["hidden"]
-        )
+        hidden = self.embed(batch) if received is None else received["hidden"]
         hidden, out = self.run_layers(hidden, batch, caches)
         if not stage.is_last:
             return {"hidden": hidden if out is None else hidden + out}
         if out is None:
             return self.final_norm()(hidden)
         return self.final_add_norm(out, hidden)
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """The first stage's input to `run_layers`: the tokens' embeddings (None where
+        the first block embeds them itself, `MambaStyleLM`)."""
+        return self.input_embeddings()(batch.input_ids)
 
     def final_add_norm(self, out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm of hidden + out (the last block's output, not yet added): one

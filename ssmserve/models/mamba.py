@@ -68,19 +68,36 @@ class MambaStyleLM(CausalLM):
         out = super().forward(batch, caches, received)
         return out.to(self.lm_head.weight.dtype) if isinstance(out, torch.Tensor) else out
 
+    def embed(self, batch: ForwardBatch) -> torch.Tensor | None:
+        # On one rank the first block gathers the embedding in its norm's launch
+        # (`run_layers`); a vocab-parallel embedding sums its ranks' rows first.
+        if self.ctx.tp.size == 1 and self.stage.layers:
+            return None
+        return super().embed(batch)
+
     def run_layers(
-        self, hidden: torch.Tensor, batch: ForwardBatch, caches: list[LayerCache]
+        self, hidden: torch.Tensor | None, batch: ForwardBatch, caches: list[LayerCache]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The blocks as HF runs them, each adding the residual (in float32 when
         residual_in_fp32) and feeding the sum on, with the same roundings; each add is
         fused into the next block's norm (`add_rms_norm`: one kernel for the add, the
-        cast and the norm). Returns (the residual, the last block's output not yet
+        cast and the norm), and with `hidden` None (`embed`) the embedding into the first
+        block's (`embed_rms_norm`). Returns (the residual, the last block's output not yet
         added), as `CausalLM.run_layers`."""
         layers = self.decoder_layers()
         residual, out = hidden, None
         for i in self.stage.layers:
             block = layers[i]
-            if out is None:  # the stage's first block
+            if out is None and hidden is None:  # the first block of the first stage
+                table = self.input_embeddings().weight
+                x, residual = self.ctx.ops.embed_rms_norm(
+                    batch.input_ids,
+                    table,
+                    block.norm.weight,
+                    eps=block.norm.eps,
+                    sum_dtype=torch.float32 if block.residual_in_fp32 else table.dtype,
+                )
+            elif out is None:  # the first block of a later stage
                 x = block.norm(hidden.to(block.norm.weight.dtype))
                 residual = hidden.float() if block.residual_in_fp32 else hidden
             else:

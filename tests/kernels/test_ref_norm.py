@@ -7,7 +7,11 @@ import torch
 import torch.nn.functional as F
 from kernel_testing import assert_close, randn, seeded
 
-from ssmserve.kernels.gated_rms_norm import add_rms_norm_ref, gated_rms_norm_ref
+from ssmserve.kernels.gated_rms_norm import (
+    add_rms_norm_ref,
+    embed_rms_norm_ref,
+    gated_rms_norm_ref,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -79,3 +83,25 @@ def test_add_rms_norm_equals_the_add_then_hf_mamba2_norm(residual_dtype, dtype, 
     if not cast_sum and residual_dtype != dtype:  # the cast before the norm changes it here
         cast_first, _ = add_rms_norm_ref(out, residual, w, eps=1e-5)
         assert not torch.equal(cast_first, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("residual_in_fp32", [True, False])
+def test_embed_rms_norm_equals_hf_mambas_first_block(dtype, residual_in_fp32):
+    """Bit for bit what HF's Mamba does before its first mixer: the embedding, the first
+    block's RMSNorm of it in the weight's dtype, and the residual stream started from it
+    (float32 with residual_in_fp32)."""
+    from transformers.models.mamba.modeling_mamba import MambaRMSNorm
+
+    gen = seeded(6)
+    table = randn(50, 40, gen=gen, dtype=dtype) * 3
+    ids = torch.tensor([7, 0, 49, 7, 12, 3])
+    hf = MambaRMSNorm(40, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(randn(40, gen=gen))
+        hidden = F.embedding(ids, table)
+        expected = hf(hidden.to(dtype))
+    sum_dtype = torch.float32 if residual_in_fp32 else dtype
+    y, s = embed_rms_norm_ref(ids, table, hf.weight.detach(), eps=1e-5, sum_dtype=sum_dtype)
+    assert s.dtype == sum_dtype and torch.equal(s, hidden.to(sum_dtype))
+    assert y.dtype == dtype and torch.equal(y, expected)

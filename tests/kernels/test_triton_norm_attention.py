@@ -11,6 +11,8 @@ from triton_testing import DEVICE, requires_triton
 from ssmserve.kernels.gated_rms_norm import (
     add_rms_norm_ref,
     add_rms_norm_triton,
+    embed_rms_norm_ref,
+    embed_rms_norm_triton,
     gated_rms_norm_ref,
     gated_rms_norm_triton,
 )
@@ -76,6 +78,26 @@ def test_add_rms_norm_matches_twin(residual_dtype, dtype, hidden, cast_sum):
         assert torch.equal(y, y_ref)
         other, _ = add_rms_norm_ref(out, residual, w, eps=1e-5, cast_sum=not cast_sum)
         assert not torch.equal(y, other)
+
+
+@pytest.mark.parametrize(
+    ("sum_dtype", "dtype"),
+    [(torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.float16,) * 2],
+)
+@pytest.mark.parametrize("hidden", [40, 64])
+def test_embed_rms_norm_matches_twin(sum_dtype, dtype, hidden):
+    """Rows gathered by id (repeated, out of order) from a table of more rows than tokens."""
+    gen = seeded(7)
+    table = (randn(30, hidden, gen=gen, dtype=dtype) * 3).to(DEVICE)
+    w = randn(hidden, gen=gen, dtype=dtype).to(DEVICE)
+    ids = torch.tensor([5, 29, 0, 5, 17], device=DEVICE)
+    y_ref, s_ref = embed_rms_norm_ref(ids, table, w, eps=1e-5, sum_dtype=sum_dtype)
+    y, s = embed_rms_norm_triton(ids, table, w, eps=1e-5, sum_dtype=sum_dtype)
+    assert s.dtype == sum_dtype and torch.equal(s, s_ref)
+    assert y.dtype == dtype
+    assert_close(y, y_ref)
+    if dtype == torch.float16 and DEVICE.type == "cpu":  # the interpreter rounds as the twin
+        assert torch.equal(y, y_ref)
 
 
 def test_write_kv_cache_matches_twin():
