@@ -43,14 +43,14 @@ _OPS: dict[str, tuple[str, str]] = {
     "gemv_act_and_mul": ("gemv", "gemv_act_and_mul"),
 }
 # Ops whose launchers take `pdl` (programmatic dependent launch, `get_ops(pdl=True)`):
-# the Triton kernels of a batch-1 decode step of the dense families. They launch so only
-# inside `pdl_scope()`, which DecodeGraphs holds over the warm-up and capture of its graphs:
+# the Triton kernels of a batch-1 decode step of the dense families (not `embed_rms_norm`,
+# a graph's first kernel, after one outside the graph). They launch so only inside
+# `pdl_scope()`, which DecodeGraphs holds over the warm-up and capture of its graphs:
 # launched eagerly (prefill), PDL cost host time, a Mamba2-2.7B 2k prompt's TTFT 52.5 ->
 # 87.7 ms on an H100 (docs/kernels.md); eagerly the one-row linears run F.linear.
 PDL_OPS = (
     "gemv",
     "add_rms_norm",
-    "embed_rms_norm",
     "gated_rms_norm",
     "mamba2_decode_update",
     "causal_conv1d_update",
