@@ -97,7 +97,7 @@ class MambaStyleLM(CausalLM):
                     eps=block.norm.eps,
                     sum_dtype=torch.float32 if block.residual_in_fp32 else table.dtype,
                 )
-            elif out is None:  # the first block of a later stage
+            elif out is None:  # the first block, its input embedded apart (TP) or sent
                 x = block.norm(hidden.to(block.norm.weight.dtype))
                 residual = hidden.float() if block.residual_in_fp32 else hidden
             else:
