@@ -13,7 +13,6 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
         super().__init__()
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
-        self.rotary_dim = inv_freq.shape[0] * 2
         self.attention_scaling = attention_scaling
 
     @classmethod
