@@ -209,6 +209,16 @@ def add_rms_norm_ref(
     return (weight * h.to(n.dtype)).to(weight.dtype), s
 
 
+def _check_embed_norm_args(
+    ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor
+) -> tuple[int, int]:
+    check_shape("ids", ids, [None])
+    check_shape("table", table, [None, None])
+    H = table.shape[1]
+    check_shape("weight", weight, [H])
+    return ids.shape[0], H
+
+
 def embed_rms_norm_ref(
     ids: torch.Tensor,
     table: torch.Tensor,
@@ -222,7 +232,7 @@ def embed_rms_norm_ref(
     model's first block, which norms the embedding and starts its residual stream from
     it (float32 with residual_in_fp32), as `add_rms_norm` with a residual of zeros.
     ids: [T] int; table: [V, H] (the embedding, whole); weight: [H]."""
-    check_shape("ids", ids, [None])
+    _check_embed_norm_args(ids, table, weight)
     x = F.embedding(ids, table)
     return add_rms_norm_ref(x, x.new_zeros(x.shape, dtype=sum_dtype), weight, eps=eps)
 
@@ -306,9 +316,7 @@ def embed_rms_norm_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of `embed_rms_norm_ref` (same arguments and result): the embedding's
     gather, the norm and the residual's copy in one kernel, `add_rms_norm`'s."""
-    check_shape("ids", ids, [None])
-    check_shape("table", table, [None, weight.shape[0]])
-    T, H = ids.shape[0], weight.shape[0]
+    T, H = _check_embed_norm_args(ids, table, weight)
     s = torch.empty(T, H, dtype=sum_dtype, device=table.device)
     y = torch.empty(T, H, dtype=weight.dtype, device=table.device)
     if T == 0:
