@@ -263,11 +263,11 @@ def test_a_decode_graphs_batch_takes_its_hidden_rows_as_its_logits_rows(checkpoi
     torch.testing.assert_close(runner.forward_logits(swapped), expected[[1, 0, 2, 3]])
 
 
-@pytest.mark.parametrize("variant", ["mamba", "mamba2"])
-def test_a_mamba_models_first_block_embeds_in_its_norms_launch(checkpoint, variant, monkeypatch):
-    """On one rank a Mamba model's first block gathers the embedding in its norm's
-    kernel (`embed_rms_norm`, no embedding forward of its own), and its logits are the
-    separate embedding, norm and float32 copy's, bit for bit."""
+@pytest.mark.parametrize("variant", ["mamba", "mamba2", "llama", "bamba"])
+def test_the_first_block_embeds_in_its_norms_launch(checkpoint, variant, monkeypatch):
+    """On one rank a Mamba model's first block, or a PreNormBlock model's, gathers the
+    embedding in its norm's kernel (`embed_rms_norm`, no embedding forward of its own),
+    and its logits are the separate embedding, norm (and float32 copy)'s, bit for bit."""
     from ssmserve.models.base import CausalLM
     from ssmserve.models.mamba import MambaStyleLM
 
@@ -282,6 +282,7 @@ def test_a_mamba_models_first_block_embeds_in_its_norms_launch(checkpoint, varia
         patch.setattr(VocabParallelEmbedding, "forward", embedding_forward)
         fused = llm.generate(prompts, params)
     monkeypatch.setattr(MambaStyleLM, "embed", CausalLM.embed)
+    monkeypatch.setattr(CausalLM, "first_norm_embeds", lambda self: None)
     apart = llm.generate(prompts, params)
     for a, b in zip(fused, apart, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

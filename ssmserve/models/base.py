@@ -15,6 +15,7 @@ from ssmserve.layers.batch import ForwardBatch
 from ssmserve.layers.cache import LayerCache, LayerCacheSpec
 from ssmserve.layers.embed import ParallelLMHead, VocabParallelEmbedding
 from ssmserve.layers.mamba2_mixer import Mamba2Mixer
+from ssmserve.layers.norm import RMSNorm
 from ssmserve.layers.rotary import RotaryEmbedding
 
 # (checkpoint name fragment, module name fragment, shard id): a checkpoint tensor whose
@@ -157,9 +158,28 @@ class CausalLM(nn.Module):
         return self.final_add_norm(out, hidden)
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """The first stage's input to `run_layers`: the tokens' embeddings (None where
-        the first block embeds them itself, `MambaStyleLM`)."""
+        """The first stage's input to `run_layers`: the tokens' embeddings, or None where
+        the first block's norm gathers them itself (`first_norm_embeds`)."""
+        if self.first_norm_embeds() is not None:
+            return None
         return self.input_embeddings()(batch.input_ids)
+
+    def first_norm_embeds(self) -> RMSNorm | None:
+        """The first block's norm where it gathers the tokens' embedding rows in its own
+        launch (`embed_rms_norm`: one kernel, not the embedding's and the norm's): on one
+        rank (a vocab-parallel embedding sums its ranks' rows first), the first stage,
+        a plain embedding (Granite's and Falcon-H1's scale theirs) and a PreNormBlock
+        whose norm is the kernel RMSNorm in the table's dtype."""
+        if self.ctx.tp.size != 1 or not self.stage.is_first or not self.stage.layers:
+            return None
+        embedding = self.input_embeddings()
+        first = self.decoder_layers()[self.stage.layers[0]]
+        if type(embedding) is not VocabParallelEmbedding or not isinstance(first, PreNormBlock):
+            return None
+        norm = first.pre_norm()
+        if not isinstance(norm, RMSNorm) or norm.ops is None:
+            return None
+        return norm if norm.weight.dtype == embedding.weight.dtype else None
 
     def final_add_norm(self, out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm of hidden + out (the last block's output, not yet added): one
@@ -169,7 +189,8 @@ class CausalLM(nn.Module):
     def run_layers(
         self, hidden: torch.Tensor, batch: ForwardBatch, caches: list[LayerCache]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This stage's decoder blocks over `hidden`, in order: (the residual stream, the
+        """This stage's decoder blocks over `hidden` (None: the tokens, embedded by the
+        first block's norm, `first_norm_embeds`), in order: (the residual stream, the
         last block's output not yet added to it, or None). A PreNormBlock's last residual
         add is fused into the next PreNormBlock's norm, the last block's into the final
         norm (`forward`)."""
@@ -182,7 +203,12 @@ class CausalLM(nn.Module):
                     hidden, out = hidden + out, None
                 hidden = layer(hidden, batch, caches[i])
                 continue
-            if out is None:
+            if hidden is None:  # `embed` left the gather to the first norm
+                norm, table = layer.pre_norm(), self.input_embeddings().weight
+                x, hidden = self.ctx.ops.embed_rms_norm(
+                    batch.input_ids, table, norm.weight, eps=norm.eps, sum_dtype=table.dtype
+                )
+            elif out is None:
                 x = layer.pre_norm()(hidden)
             else:
                 x, hidden = layer.pre_norm().add_forward(out, hidden)

@@ -54,6 +54,9 @@ BOUNDS = {
     "_ssd_chunk_scan_kernel": 2,
     # the mixer's gated norm and the plain RMSNorms: two call sites, model constants
     "_gated_rms_norm_kernel": 2,
+    # the residual add and norm between blocks, and the first block's norm gathering the
+    # embedding (EMBED; the ids sit at a fixed offset of the packed step, so always aligned)
+    "_add_rms_norm_kernel": 2,
     # few programs (2 warps, 16-token blocks) or many, on the GPU; x snapshots or none
     "_selective_scan_kernel": 4,
     # the launch table's three rows (decode, mid, prefill rows per expert)

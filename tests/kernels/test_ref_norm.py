@@ -86,17 +86,21 @@ def test_add_rms_norm_equals_the_add_then_hf_mamba2_norm(residual_dtype, dtype, 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("residual_in_fp32", [True, False])
-def test_embed_rms_norm_equals_hf_mambas_first_block(dtype, residual_in_fp32):
-    """Bit for bit what HF's Mamba does before its first mixer: the embedding, the first
-    block's RMSNorm of it in the weight's dtype, and the residual stream started from it
-    (float32 with residual_in_fp32)."""
+@pytest.mark.parametrize(
+    "family, residual_in_fp32", [("mamba", True), ("mamba", False), ("llama", False)]
+)
+def test_embed_rms_norm_equals_hf_first_block(dtype, family, residual_in_fp32):
+    """Bit for bit what HF's Mamba (and Llama, whose blocks start as Bamba's, Jamba's and
+    Nemotron-H's do) runs before its first mixer: the embedding, the first block's
+    RMSNorm of it in the weight's dtype, and the residual stream started from it (float32
+    with residual_in_fp32)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.mamba.modeling_mamba import MambaRMSNorm
 
     gen = seeded(6)
     table = randn(50, 40, gen=gen, dtype=dtype) * 3
     ids = torch.tensor([7, 0, 49, 7, 12, 3])
-    hf = MambaRMSNorm(40, eps=1e-5).to(dtype)
+    hf = {"mamba": MambaRMSNorm, "llama": LlamaRMSNorm}[family](40, eps=1e-5).to(dtype)
     with torch.no_grad():
         hf.weight.copy_(randn(40, gen=gen))
         hidden = F.embedding(ids, table)
