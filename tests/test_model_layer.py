@@ -271,7 +271,9 @@ def test_the_first_block_embeds_in_its_norms_launch(checkpoint, variant, monkeyp
     from ssmserve.models.base import CausalLM
     from ssmserve.models.mamba import MambaStyleLM
 
-    llm = LLM(checkpoint(variant), dtype="float32", cache_memory=2**24)
+    # No prefix caching: the second run must compute the same steps, not resume the
+    # first's prompts (a resumed prompt's matmuls round otherwise).
+    llm = LLM(checkpoint(variant), dtype="float32", cache_memory=2**24, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=2)
     prompts = [{"prompt_token_ids": [3, 17, 9, 40, 2]}, {"prompt_token_ids": [11, 5]}]
 
