@@ -91,6 +91,7 @@ def test_latency_times_the_prefill_apart_from_the_decode_steps():
         assert 0.12 <= s.ttft < 0.12 + 0.1
         assert 0.01 <= s.decode_per_token < 0.01 + 0.02
         assert s.e2e == pytest.approx(s.ttft + 5 * s.decode_per_token)
+        assert 0.01 <= s.decode_step_p50 < 0.01 + 0.02  # the five decode calls' median
 
 
 def test_latency_on_a_real_engine_frees_everything(bamba_engine):

@@ -4,6 +4,8 @@ Each iteration adds `batch_size` fresh random prompts of `input_len` tokens (fre
 prefix cache cannot shorten a prefill), each asking for `output_len` tokens with EOS
 ignored, and steps the engine until they finish. TTFT is the time until every request of
 the batch has its first token; decode is the rest divided by the `output_len - 1` steps.
+The median of the `engine.step()` calls after the first token is also kept: the steady
+step, without what the window's two ends add.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class LatencySample:
     ttft: float
     decode_per_token: float | None  # None when output_len is 1
     e2e: float
+    decode_step_p50: float | None = None  # the median step() call after the first token
 
 
 def time_batch(engine: Any, prompts: list[list[int]], output_len: int, tag: str) -> LatencySample:
@@ -40,12 +43,16 @@ def time_batch(engine: Any, prompts: list[list[int]], output_len: int, tag: str)
     started: set[str] = set()
     lengths: dict[str, int] = {}
     first = None
+    calls: list[float] = []  # each step() call's seconds after the first token
     while engine.has_unfinished_requests():
+        call = time.perf_counter()
         for out in engine.step():
             if out.outputs[0].token_ids:
                 started.add(out.request_id)
             if out.finished:
                 lengths[out.request_id] = len(out.outputs[0].token_ids)
+        if first is not None:
+            calls.append(time.perf_counter() - call)
         if first is None and len(started) == len(prompts):
             first = time.perf_counter()
     end = time.perf_counter()
@@ -56,7 +63,8 @@ def time_batch(engine: Any, prompts: list[list[int]], output_len: int, tag: str)
             "would not be of the asked shape"
         )
     decode = (end - first) / (output_len - 1) if output_len > 1 else None
-    return LatencySample(ttft=first - start, decode_per_token=decode, e2e=end - start)
+    step = percentile(calls, 50) if calls else None
+    return LatencySample(first - start, decode, end - start, step)
 
 
 def run_latency(
@@ -151,8 +159,8 @@ def load_llama_bench(path: str, input_len: int) -> PeerFigures:
 def latency_floors(
     costs: ModelCosts, peaks: DevicePeaks | None, batch_size: int, input_len: int, output_len: int
 ) -> dict[str, float | None]:
-    """Floors of the three figures: the prefill of the batch, a decode step at the mean
-    context of the timed steps, and the two together (seconds)."""
+    """Floors of the figures: the prefill of the batch, a decode step at the mean context
+    of the timed steps (also the median step call's), and the two together (seconds)."""
     prefill = floor_s(
         peaks,
         costs.prefill_bytes(batch_size, input_len),
@@ -165,7 +173,8 @@ def latency_floors(
         costs.decode_step_flops(batch_size, context),
     )
     e2e = None if prefill is None else prefill + (output_len - 1) * decode
-    return {"ttft": prefill, "decode_per_token": decode if output_len > 1 else None, "e2e": e2e}
+    decode = decode if output_len > 1 else None
+    return {"ttft": prefill, "decode_per_token": decode, "e2e": e2e, "decode_step_p50": decode}
 
 
 def latency_summary(samples: list[LatencySample]) -> dict[str, dict[str, float] | None]:
@@ -175,6 +184,9 @@ def latency_summary(samples: list[LatencySample]) -> dict[str, dict[str, float] 
             [s.decode_per_token for s in samples if s.decode_per_token is not None]
         ),
         "e2e": summarize([s.e2e for s in samples]),
+        "decode_step_p50": summarize(
+            [s.decode_step_p50 for s in samples if s.decode_step_p50 is not None]
+        ),
     }
 
 
@@ -190,6 +202,7 @@ def latency_table(
         "ttft": "TTFT (prefill + first token)",
         "decode_per_token": "decode step (a token per request)",
         "e2e": "end to end",
+        "decode_step_p50": "median step() call after the first token",
     }
     for key, label in names.items():
         stats = summary[key]
