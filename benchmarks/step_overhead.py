@@ -12,11 +12,11 @@ call launches a decode of all N requests.
 The forward is that of one such step, in the middle of the steady ones: its packed inputs
 (and the sampled ids of the step before that its input tokens are filled from), caught
 as the engine launches it, run again through the engine's model runner `--forward-iters`
-times after generation, each synchronised (a CUDA graph replay where the engine replays
-one), median. Step minus forward is what a step costs beyond its forward: on a GPU, what
-the device waits for the host between steps and the sampling; on the CPU, where
-everything runs synchronously, the step's host work (planning, packing, sampling,
-detokenizing, the outputs).
+times after generation, back to back as the engine runs its steps (a CUDA graph replay
+where the engine replays one; CUDA events between them), median. Step minus forward is
+what a step costs beyond its forward: on a GPU, what the device waits for the host
+between steps and the sampling; on the CPU, where everything runs synchronously, the
+step's host work (planning, packing, sampling, detokenizing, the outputs).
 
     PYTHONPATH=$PWD python benchmarks/step_overhead.py --model benchmarks/configs/bamba-9b \\
         --load-format dummy --num-requests 256 --input-len 1024 --output-len 160 \\
@@ -92,16 +92,25 @@ def timed_steps(
 def forward_seconds(
     engine: LLMEngine, packed: torch.Tensor, fill_tokens: torch.Tensor | None, iters: int
 ) -> list[float]:
-    """Seconds of each of `iters` runs of one packed step through the model runner."""
+    """Seconds of each of `iters` runs of one packed step through the model runner, back
+    to back (on a GPU, timed by events between them: a forward started from an idle,
+    synchronised GPU takes longer at small batches)."""
     runner, device = engine.executor.runner, engine.device
-    seconds = []
-    for _ in range(iters):
-        _sync(device)
-        start = time.perf_counter()
+    if device.type != "cuda":
+        seconds = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            runner.execute(packed, tokens=fill_tokens)
+            seconds.append(time.perf_counter() - start)
+        return seconds
+    runner.execute(packed, tokens=fill_tokens)  # a first run, not timed
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    events[0].record()
+    for event in events[1:]:
         runner.execute(packed, tokens=fill_tokens)
-        _sync(device)
-        seconds.append(time.perf_counter() - start)
-    return seconds
+        event.record()
+    _sync(device)
+    return [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:], strict=False)]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
