@@ -187,7 +187,7 @@ class CausalLM(nn.Module):
         return self.final_norm().add_forward(out, hidden)[0]
 
     def run_layers(
-        self, hidden: torch.Tensor, batch: ForwardBatch, caches: list[LayerCache]
+        self, hidden: torch.Tensor | None, batch: ForwardBatch, caches: list[LayerCache]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This stage's decoder blocks over `hidden` (None: the tokens, embedded by the
         first block's norm, `first_norm_embeds`), in order: (the residual stream, the
