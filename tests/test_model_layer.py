@@ -292,8 +292,8 @@ def test_the_first_block_embeds_in_its_norms_launch(checkpoint, variant, monkeyp
     with monkeypatch.context() as patch:
         patch.setattr(VocabParallelEmbedding, "forward", embedding_forward)
         fused = llm.generate(prompts, params)
-    monkeypatch.setattr(MambaStyleLM, "embed", CausalLM.embed)
-    monkeypatch.setattr(CausalLM, "first_norm_embeds", lambda self: None)
+    for cls in (CausalLM, MambaStyleLM):
+        monkeypatch.setattr(cls, "embeds_in_first_norm", lambda self: False)
     apart = llm.generate(prompts, params)
     exact = llm.llm_engine.device.type == "cpu"
     for a, b in zip(fused, apart, strict=True):

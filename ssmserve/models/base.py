@@ -159,27 +159,29 @@ class CausalLM(nn.Module):
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor | None:
         """The first stage's input to `run_layers`: the tokens' embeddings, or None where
-        the first block's norm gathers them itself (`first_norm_embeds`)."""
-        if self.first_norm_embeds() is not None:
+        the first block's norm gathers them itself (`embeds_in_first_norm`)."""
+        if self.embeds_in_first_norm():
             return None
         return self.input_embeddings()(batch.input_ids)
 
-    def first_norm_embeds(self) -> RMSNorm | None:
-        """The first block's norm where it gathers the tokens' embedding rows in its own
+    def embeds_in_first_norm(self) -> bool:
+        """Whether the first block's norm gathers the tokens' embedding rows in its own
         launch (`embed_rms_norm`: one kernel, not the embedding's and the norm's): on one
         rank (a vocab-parallel embedding sums its ranks' rows first), the first stage,
         a plain embedding (Granite's and Falcon-H1's scale theirs) and a PreNormBlock
         whose norm is the kernel RMSNorm in the table's dtype."""
         if self.ctx.tp.size != 1 or not self.stage.is_first or not self.stage.layers:
-            return None
+            return False
         embedding = self.input_embeddings()
         first = self.decoder_layers()[self.stage.layers[0]]
         if type(embedding) is not VocabParallelEmbedding or not isinstance(first, PreNormBlock):
-            return None
+            return False
         norm = first.pre_norm()
-        if not isinstance(norm, RMSNorm) or norm.ops is None:
-            return None
-        return norm if norm.weight.dtype == embedding.weight.dtype else None
+        return (
+            isinstance(norm, RMSNorm)
+            and norm.ops is not None
+            and norm.weight.dtype == embedding.weight.dtype
+        )
 
     def final_add_norm(self, out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm of hidden + out (the last block's output, not yet added): one
@@ -190,7 +192,7 @@ class CausalLM(nn.Module):
         self, hidden: torch.Tensor | None, batch: ForwardBatch, caches: list[LayerCache]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This stage's decoder blocks over `hidden` (None: the tokens, embedded by the
-        first block's norm, `first_norm_embeds`), in order: (the residual stream, the
+        first block's norm, `embeds_in_first_norm`), in order: (the residual stream, the
         last block's output not yet added to it, or None). A PreNormBlock's last residual
         add is fused into the next PreNormBlock's norm, the last block's into the final
         norm (`forward`)."""

@@ -68,12 +68,10 @@ class MambaStyleLM(CausalLM):
         out = super().forward(batch, caches, received)
         return out.to(self.lm_head.weight.dtype) if isinstance(out, torch.Tensor) else out
 
-    def embed(self, batch: ForwardBatch) -> torch.Tensor | None:
+    def embeds_in_first_norm(self) -> bool:
         # On one rank the first block gathers the embedding in its norm's launch
         # (`run_layers`); a vocab-parallel embedding sums its ranks' rows first.
-        if self.ctx.tp.size == 1 and self.stage.layers:
-            return None
-        return super().embed(batch)
+        return self.ctx.tp.size == 1 and self.stage.is_first and bool(self.stage.layers)
 
     def run_layers(
         self, hidden: torch.Tensor | None, batch: ForwardBatch, caches: list[LayerCache]
@@ -81,9 +79,9 @@ class MambaStyleLM(CausalLM):
         """The blocks as HF runs them, each adding the residual (in float32 when
         residual_in_fp32) and feeding the sum on, with the same roundings; each add is
         fused into the next block's norm (`add_rms_norm`: one kernel for the add, the
-        cast and the norm), and with `hidden` None (`embed`) the embedding into the first
-        block's (`embed_rms_norm`). Returns (the residual, the last block's output not yet
-        added), as `CausalLM.run_layers`."""
+        cast and the norm), and with `hidden` None (`embeds_in_first_norm`) the
+        embedding into the first block's (`embed_rms_norm`). Returns (the residual, the
+        last block's output not yet added), as `CausalLM.run_layers`."""
         layers = self.decoder_layers()
         residual, out = hidden, None
         for i in self.stage.layers:
