@@ -18,7 +18,7 @@
 #                widths, PDL, conv and state updates, RoPE, decode attention, fused
 #                Mamba2 decode, cuDNN merge, the decode graphs' inputs, the sampler's
 #                draw, the residual and embedding norms, a Mamba model's first block,
-#                graph decode against eager                                        ~3 min
+#                RoPE inside decode attention, graph decode against eager        ~3 min
 #   ceilings     the card's device-copy bandwidth and bf16 GEMM rate (the floors' peaks) ~1 min
 #   kernels      state update (Mamba1 regrouped and Mamba2), MoE launch sizes, and the conv
 #                update's launch parameters at 256 and 650 rows                   ~4 min
@@ -86,10 +86,11 @@ section() {
             tests/kernels/test_triton_norm_attention.py tests/kernels/test_triton_state_update.py \
             tests/kernels/test_triton_conv1d.py tests/kernels/test_rotary_activation.py \
             tests/kernels/test_triton_mamba2_decode.py tests/kernels/test_decode_inputs.py \
-            tests/kernels/test_sampling_draw.py tests/test_triton_models.py tests/test_model_layer.py \
+            tests/kernels/test_sampling_draw.py tests/kernels/test_rotary_decode_attention.py \
+            tests/test_triton_models.py tests/test_model_layer.py \
             tests/test_cuda_graphs.py -k "gemv or merge or pdl or cudnn or sm90 or model_widths \
             or update or rope or paged_attention or mamba2_decode or decode_inputs or draw \
-            or rms_norm or first_block or graph_decode"
+            or rms_norm or first_block or graph_decode or two_launches or llama_sizes"
         ;;
     ceilings)
         python3 benchmarks/kernels/bench_ceilings.py --out "$dir/ceilings.json"

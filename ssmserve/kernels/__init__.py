@@ -33,6 +33,7 @@ _OPS: dict[str, tuple[str, str]] = {
     "add_rms_norm": ("gated_rms_norm", "add_rms_norm"),
     "embed_rms_norm": ("gated_rms_norm", "embed_rms_norm"),
     "rotary_embedding": ("rotary", "rotary_embedding"),
+    "rotary_decode_attention": ("rotary", "rotary_decode_attention"),
     "act_and_mul": ("activation", "act_and_mul"),
     "write_kv_cache": ("paged_attention", "write_kv_cache"),
     "paged_attention": ("paged_attention", "paged_attention"),
@@ -56,6 +57,7 @@ PDL_OPS = (
     "causal_conv1d_update",
     "selective_state_update",
     "rotary_embedding",
+    "rotary_decode_attention",
     "write_kv_cache",
     "paged_attention",
     "act_and_mul",
@@ -89,6 +91,7 @@ class KernelOps:
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     embed_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotary_decode_attention: Callable[..., torch.Tensor]
     act_and_mul: Callable[..., torch.Tensor]
     write_kv_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]

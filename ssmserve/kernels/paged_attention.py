@@ -385,6 +385,18 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
+@device_function
+def _rope(x, partner, cos, sin):
+    """RoPE of `x` (q's dtype) whose rotation partners (dim d +- rotary_dim / 2) are
+    `partner`, by float32 `cos` and `sin` already rounded to the dtype, sin negated on the
+    first half: `_rotary_kernel`'s arithmetic, each product and the sum rounded to the
+    dtype (a - b there is a + (-b) here, the same bits)."""
+    dtype = x.dtype
+    xc = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
+    ps = (partner.to(tl.float32) * sin).to(dtype).to(tl.float32)
+    return (xc + ps).to(dtype)
+
+
 @lazy_jit(
     do_not_specialize=(
         "block_tables_ptr",
@@ -395,6 +407,8 @@ def _attend_tile(
         "search_steps",
         "num_splits",
         "stride_bt_s",
+        "pos_ptr",
+        "slot_ptr",
     )
 )
 def _paged_attention_kernel(
@@ -431,6 +445,17 @@ def _paged_attention_kernel(
     stride_o_d,
     stride_bt_s,
     stride_bt_b,
+    kn_ptr,
+    vn_ptr,
+    pos_ptr,
+    freq_ptr,
+    slot_ptr,
+    rope_half,
+    rope_scaling,
+    stride_kn_t,
+    stride_kn_h,
+    stride_vn_t,
+    stride_vn_h,
     HEADS_PER_KV: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     SPLIT_KV: tl.constexpr,
@@ -444,10 +469,17 @@ def _paged_attention_kernel(
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
     MASK_SKIP: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     # PREFETCH (decode; pays with PDL): the split's first key tile is read before the
     # wait. A kernel of this step (RoPE's cache write) writes only the sequence's last
     # q_len positions, so those alone are read after it.
+    # ROPE (decode): q_ptr holds the step's queries before RoPE, kn_ptr / vn_ptr its new
+    # keys and values. Each program rotates its query heads; the program whose keys
+    # include the step's own position rotates the new key, writes it and the value to
+    # the caches at the step's slot, and every tile holding that position takes them
+    # from registers instead of the cache: `rotary_embedding` (with its cache write) and
+    # the attention of its output, in one launch.
     if PDL:
         gdc_launch_dependents()
         if not PREFETCH:
@@ -498,6 +530,21 @@ def _paged_attention_kernel(
         kv_hi = tl.minimum(kv_hi, kv_lo + split_len)
 
     bt_row = block_tables_ptr + seq * stride_bt_s
+    if ROPE:
+        # The step's inputs (position, slot) and the frequencies, before the wait.
+        lower = offs_d < rope_half
+        in_rot = offs_d < 2 * rope_half
+        partner = tl.where(lower, offs_d + rope_half, offs_d - rope_half)
+        freq = tl.load(
+            freq_ptr + tl.where(lower, offs_d, offs_d - rope_half), mask=in_rot, other=0.0
+        )
+        angle = tl.load(pos_ptr + q_start).to(tl.float32) * freq
+        rope_dtype = q_ptr.dtype.element_ty
+        cos = (tl.cos(angle) * rope_scaling).to(rope_dtype).to(tl.float32)
+        sin = (tl.sin(angle) * rope_scaling).to(rope_dtype).to(tl.float32)
+        sin = tl.where(lower, -sin, sin)
+        slot = tl.load(slot_ptr + q_start).to(tl.int64)
+        last = seq_len - 1  # the step's own position
     if PREFETCH:
         first = kv_lo + tl.arange(0, BLOCK_N)
         old = first < tl.minimum(kv_hi, seq_len - q_len)
@@ -510,22 +557,41 @@ def _paged_attention_kernel(
         )  # fmt: skip
         if PDL:
             gdc_wait()
-        new = (first >= seq_len - q_len) & (first < kv_hi)
-        k_new, v_new = _kv_tile(
-            k_cache_ptr, v_cache_ptr, block, first, new, kv_head, offs_d, mask_d,
-            block_size, stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
-            stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d, MASKED=True,
-        )  # fmt: skip
-        k0 = tl.where(new[:, None], k_new, k0)
-        v0 = tl.where(new[:, None], v_new, v0)
-    q = tl.load(
-        q_ptr
-        + (q_start + q_idx)[:, None] * stride_q_t
-        + head[:, None] * stride_q_h
-        + offs_d[None, :] * stride_q_d,
-        mask=mask_m[:, None] & mask_d[None, :],
-        other=0.0,
-    )
+        if not ROPE:
+            new = (first >= seq_len - q_len) & (first < kv_hi)
+            k_new, v_new = _kv_tile(
+                k_cache_ptr, v_cache_ptr, block, first, new, kv_head, offs_d, mask_d,
+                block_size, stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
+                stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d, MASKED=True,
+            )  # fmt: skip
+            k0 = tl.where(new[:, None], k_new, k0)
+            v0 = tl.where(new[:, None], v_new, v0)
+    q_rows = q_ptr + (q_start + q_idx)[:, None] * stride_q_t + head[:, None] * stride_q_h
+    mask_q = mask_m[:, None] & mask_d[None, :]
+    q = tl.load(q_rows + offs_d[None, :] * stride_q_d, mask=mask_q, other=0.0)
+    if ROPE:
+        q_partner = tl.load(q_rows + partner[None, :] * stride_q_d, mask=mask_q, other=0.0)
+        q = tl.where(in_rot[None, :], _rope(q, q_partner, cos[None, :], sin[None, :]), q)
+        kn_row = kn_ptr + q_start * stride_kn_t + kv_head * stride_kn_h
+        k_x = tl.load(kn_row + offs_d, mask=mask_d, other=0.0)
+        k_partner = tl.load(kn_row + partner, mask=mask_d, other=0.0)
+        k_own = tl.where(in_rot, _rope(k_x, k_partner, cos, sin), k_x)
+        k_own = k_own.to(k_cache_ptr.dtype.element_ty)
+        v_own = tl.load(vn_ptr + q_start * stride_vn_t + kv_head * stride_vn_h + offs_d,
+                        mask=mask_d, other=0.0).to(v_cache_ptr.dtype.element_ty)  # fmt: skip
+        # One split holds the step's position: it writes the caches (a slot < 0, a
+        # padding row's, writes nothing).
+        write = mask_d & (kv_lo <= last) & (last < kv_hi) & (slot >= 0)
+        block_off = (slot // block_size) * stride_kc_b + (slot % block_size) * stride_kc_o
+        tl.store(k_cache_ptr + block_off + kv_head * stride_kc_h + offs_d * stride_kc_d,
+                 k_own, mask=write)  # fmt: skip
+        block_off = (slot // block_size) * stride_vc_b + (slot % block_size) * stride_vc_o
+        tl.store(v_cache_ptr + block_off + kv_head * stride_vc_h + offs_d * stride_vc_d,
+                 v_own, mask=write)  # fmt: skip
+        if PREFETCH:
+            own = (first == last)[:, None]
+            k0 = tl.where(own, k_own[None, :], k0)
+            v0 = tl.where(own, v_own[None, :], v0)
     q = q.to(DOT_DTYPE)
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
@@ -545,7 +611,10 @@ def _paged_attention_kernel(
         full_hi = loop_lo
     else:
         first_q_pos = seq_len - q_len + m_block * BLOCK_Q
-        visible = tl.minimum(kv_hi, first_q_pos + 1) - kv_lo
+        visible_hi = first_q_pos + 1
+        if ROPE:  # the step's own key in a masked tile, which takes it from registers
+            visible_hi = first_q_pos
+        visible = tl.minimum(kv_hi, visible_hi) - kv_lo
         full_hi = kv_lo + tl.maximum(visible, 0) // BLOCK_N * BLOCK_N
     for MASKED in tl.static_range(2):  # the whole tiles, then the masked ones
         if MASKED:
@@ -561,6 +630,11 @@ def _paged_attention_kernel(
                 block_size, stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
                 stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d, MASKED=MASKED,
             )  # fmt: skip
+            if ROPE:
+                if MASKED:
+                    own = (k_pos == last)[:, None]
+                    k = tl.where(own, k_own[None, :], k)
+                    v = tl.where(own, v_own[None, :], v)
             m_i, l_i, acc = _attend_tile(
                 q, k, v, k_pos, q_pos, kv_hi, window, qk_scale, m_i, l_i, acc,
                 MASKED, HAS_WINDOW, DOT_DTYPE, DOT_PRECISION,
@@ -758,87 +832,15 @@ def paged_attention_triton(
     out = torch.empty_like(q)
     if T == 0 or S == 0:
         return out
-    if q.dtype == torch.float32 or interpret_mode():
-        # The interpreter mis-computes 16-bit tl.dot; float32 there is also more exact.
-        dot_dtype, precision = tl.float32, "ieee"
-    else:
-        dot_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16
-        precision = "tf32"
-    block_size = k_cache.shape[1]
-    heads_per_kv = H // KVH
-    block_d = max(16, next_pow2(Dh))  # tl.dot needs every dimension >= 16 on the GPU
-    args = (block_tables, query_start_loc, seq_lens, float(scale) * math.log2(math.e))
-    strides = (
-        Dh,
-        block_size,
-        sliding_window or 0,
-        *q.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
-        *out.stride(),
-        *block_tables.stride(),
-    )
-    meta = dict(
-        HEADS_PER_KV=heads_per_kv,
-        HAS_WINDOW=sliding_window is not None,
-        BLOCK_D=block_d,
-        DOT_DTYPE=dot_dtype,
-        DOT_PRECISION=precision,
-    )
+    launch = _AttentionLaunch(
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale,
+        sliding_window, pdl,
+    )  # fmt: skip
     if num_decodes > 0:
-        max_context = block_tables.shape[1] * block_size
-        cfg = decode_launch_config(
-            num_decodes, KVH, heads_per_kv, Dh, max_context, q.device, decode_config, pdl
-        )
-        splits = cfg["num_splits"]
-        part_out = part_lse = out  # not touched with one split
-        if splits > 1:
-            part_out = q.new_empty(num_decodes, H, splits, block_d, dtype=torch.float32)
-            part_lse = q.new_empty(num_decodes, H, splits, dtype=torch.float32)
-        _paged_attention_kernel[(num_decodes, KVH, splits)](
-            q,
-            k_cache,
-            v_cache,
-            out,
-            part_out,
-            part_lse,
-            *args,
-            0,
-            num_decodes,
-            0,
-            splits,
-            *strides,
-            BLOCK_Q=1,
-            SPLIT_KV=splits > 1,
-            SEARCH_SEQS=False,
-            BLOCK_M=cfg["block_m"],
-            BLOCK_N=cfg["block_n"],
-            num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
-            **meta,
-            PDL=pdl,
-            PREFETCH=cfg["prefetch"],
-            MASK_SKIP=cfg["mask_skip"],
-            **pdl_launch(pdl),
-        )
-        if splits > 1:
-            _merge_splits_kernel[(num_decodes, H)](
-                out,
-                part_out,
-                part_lse,
-                query_start_loc,
-                splits,
-                Dh,
-                *out.stride(),
-                # The splits' cap (a fixed tile, not one per split count), or above it.
-                BLOCK_S=max(_MAX_SPLITS, next_pow2(splits)),
-                BLOCK_D=block_d,
-                PDL=pdl,
-                **pdl_launch(pdl),
-            )
+        launch.decode(num_decodes, decode_config)
     num_prefills = S - num_decodes
     if num_prefills > 0:
-        cfg = prefill_launch_config(heads_per_kv, Dh, prefill_config)
+        cfg = prefill_launch_config(H // KVH, Dh, prefill_config)
         # decodes hold exactly one query each, so the prefills hold T - num_decodes
         grid = ((T - num_decodes) // cfg["block_q"] + num_prefills, KVH, 1)
         _paged_attention_kernel[grid](
@@ -848,12 +850,13 @@ def paged_attention_triton(
             out,
             out,
             out,
-            *args,
+            *launch.args,
             num_decodes,
             num_prefills,
             num_prefills.bit_length(),
             1,
-            *strides,
+            *launch.strides,
+            *_NO_ROPE,
             BLOCK_Q=cfg["block_q"],
             SPLIT_KV=False,
             SEARCH_SEQS=True,
@@ -861,10 +864,128 @@ def paged_attention_triton(
             BLOCK_N=cfg["block_n"],
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
-            **meta,
+            **launch.meta,
             PDL=pdl,
             PREFETCH=False,
             MASK_SKIP=cfg["mask_skip"],
+            ROPE=False,
             **pdl_launch(pdl),
         )
     return out
+
+
+# The kernel's RoPE arguments where it applies none.
+_NO_ROPE = (None, None, None, None, None, 0, 1.0, 0, 0, 0, 0)
+
+
+class _AttentionLaunch:
+    """What the attention kernel's launches of one call share: the sequences' tensors,
+    the strides, the dot dtype and the compile-time constants."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        pdl: bool,
+    ) -> None:
+        if q.dtype == torch.float32 or interpret_mode():
+            # The interpreter mis-computes 16-bit tl.dot; float32 there is also more exact.
+            dot_dtype, precision = tl.float32, "ieee"
+        else:
+            dot_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16
+            precision = "tf32"
+        self.q, self.k_cache, self.v_cache, self.out, self.pdl = q, k_cache, v_cache, out, pdl
+        self.block_tables, self.query_start_loc = block_tables, query_start_loc
+        self.block_size = k_cache.shape[1]
+        self.KVH, self.Dh = k_cache.shape[2], q.shape[2]
+        self.heads_per_kv = q.shape[1] // self.KVH
+        self.block_d = max(16, next_pow2(self.Dh))  # tl.dot needs dims >= 16 on the GPU
+        self.args = (block_tables, query_start_loc, seq_lens, float(scale) * math.log2(math.e))
+        self.strides = (
+            self.Dh,
+            self.block_size,
+            sliding_window or 0,
+            *q.stride(),
+            *k_cache.stride(),
+            *v_cache.stride(),
+            *out.stride(),
+            *block_tables.stride(),
+        )
+        self.meta = dict(
+            HEADS_PER_KV=self.heads_per_kv,
+            HAS_WINDOW=sliding_window is not None,
+            BLOCK_D=self.block_d,
+            DOT_DTYPE=dot_dtype,
+            DOT_PRECISION=precision,
+        )
+
+    def decode(
+        self,
+        num_decodes: int,
+        decode_config: Mapping[str, Any] | None,
+        rope: tuple[Any, ...] = _NO_ROPE,
+    ) -> None:
+        """The decode path over the first `num_decodes` sequences (and the merge of its
+        splits); `rope`: the kernel's RoPE arguments, to rotate q and write this step's
+        K/V in the same launch (`rotary_decode_attention`)."""
+        q, out, KVH, H = self.q, self.out, self.KVH, self.q.shape[1]
+        max_context = self.block_tables.shape[1] * self.block_size
+        cfg = decode_launch_config(
+            num_decodes, KVH, self.heads_per_kv, self.Dh, max_context, q.device,
+            decode_config, self.pdl,
+        )  # fmt: skip
+        splits = cfg["num_splits"]
+        part_out = part_lse = out  # not touched with one split
+        if splits > 1:
+            part_out = q.new_empty(num_decodes, H, splits, self.block_d, dtype=torch.float32)
+            part_lse = q.new_empty(num_decodes, H, splits, dtype=torch.float32)
+        _paged_attention_kernel[(num_decodes, KVH, splits)](
+            q,
+            self.k_cache,
+            self.v_cache,
+            out,
+            part_out,
+            part_lse,
+            *self.args,
+            0,
+            num_decodes,
+            0,
+            splits,
+            *self.strides,
+            *rope,
+            BLOCK_Q=1,
+            SPLIT_KV=splits > 1,
+            SEARCH_SEQS=False,
+            BLOCK_M=cfg["block_m"],
+            BLOCK_N=cfg["block_n"],
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+            **self.meta,
+            PDL=self.pdl,
+            PREFETCH=cfg["prefetch"],
+            MASK_SKIP=cfg["mask_skip"],
+            ROPE=rope[0] is not None,
+            **pdl_launch(self.pdl),
+        )
+        if splits > 1:
+            _merge_splits_kernel[(num_decodes, H)](
+                out,
+                part_out,
+                part_lse,
+                self.query_start_loc,
+                splits,
+                self.Dh,
+                *out.stride(),
+                # The splits' cap (a fixed tile, not one per split count), or above it.
+                BLOCK_S=max(_MAX_SPLITS, next_pow2(splits)),
+                BLOCK_D=self.block_d,
+                PDL=self.pdl,
+                **pdl_launch(self.pdl),
+            )

@@ -11,6 +11,9 @@ with each product and the sum rounded to the dtype, and the dims past rotary_dim
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from ssmserve.kernels._common import (
@@ -22,7 +25,13 @@ from ssmserve.kernels._common import (
     pdl_launch,
     tl,
 )
-from ssmserve.kernels.paged_attention import _check_kv_write_args, write_kv_cache_ref
+from ssmserve.kernels.paged_attention import (
+    _AttentionLaunch,
+    _check_attention_args,
+    _check_kv_write_args,
+    paged_attention_ref,
+    write_kv_cache_ref,
+)
 
 
 def _check_rotary_args(
@@ -262,3 +271,95 @@ def rotary_embedding_triton(
         **pdl_launch(pdl),
     )
     return qy, ky
+
+
+# ------------------------------------------------------- RoPE inside decode attention
+
+
+def _check_decode_args(q: torch.Tensor, query_start_loc: torch.Tensor) -> int:
+    """Every sequence of the call decodes: one query each."""
+    T = q.shape[0]
+    if query_start_loc.shape != (T + 1,):
+        raise ValueError(
+            "rotary_decode_attention takes decodes only, one query a sequence: "
+            f"query_start_loc must have {T + 1} entries for {T} queries, got "
+            f"{tuple(query_start_loc.shape)}"
+        )
+    return T
+
+
+def rotary_decode_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    scaling: float = 1.0,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """A decode step's attention from its projections: `rotary_embedding` of q [T, H, D]
+    and k [T, KVH, D] at `positions`, with this step's k and v [T, KVH, D] written to the
+    caches at `slot_mapping`, then `paged_attention` of every sequence's one query (T
+    sequences, `num_decodes` = T). Returns [T, H, D] in q's dtype."""
+    T = _check_decode_args(q, query_start_loc)
+    q, _ = rotary_embedding_ref(
+        positions, q, k, inv_freq, scaling=scaling,
+        v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
+    )  # fmt: skip
+    return paged_attention_ref(
+        q, k_cache, v_cache, block_tables=block_tables, query_start_loc=query_start_loc,
+        seq_lens=seq_lens, scale=scale, sliding_window=sliding_window, num_decodes=T,
+    )  # fmt: skip
+
+
+def rotary_decode_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    scaling: float = 1.0,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    decode_config: Mapping[str, Any] | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """Triton twin of `rotary_decode_attention_ref`, bit for bit `rotary_embedding_triton`
+    then `paged_attention_triton`: the decode attention kernel rotates each program's
+    query heads, and the program holding a sequence's own position rotates its key and
+    writes it and the value to the caches, one launch fewer a layer. `decode_config`
+    overrides the decode launch parameters as `paged_attention_triton`'s does."""
+    T = _check_decode_args(q, query_start_loc)
+    _, half = _check_rotary_args(positions, q, k, inv_freq)
+    _check_kv_write_args(k, v, k_cache, v_cache, slot_mapping)
+    _check_attention_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, T)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
+    launch = _AttentionLaunch(
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale,
+        sliding_window, pdl,
+    )  # fmt: skip
+    rope = (
+        k, v, positions, inv_freq, slot_mapping, half, float(scaling),
+        *k.stride()[:2], *v.stride()[:2],
+    )  # fmt: skip
+    launch.decode(T, decode_config, rope)
+    return out

@@ -100,6 +100,17 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.rotary is not None and batch.num_decodes == batch.num_seqs == num_tokens:
+            # A decode step: RoPE, this step's K/V into the cache and the attention in one
+            # launch.
+            out = self.ops.rotary_decode_attention(
+                q, k, v, cache.k, cache.v,
+                positions=batch.positions, inv_freq=self.rotary.inv_freq,
+                scaling=self.rotary.attention_scaling, slot_mapping=batch.slot_mapping,
+                block_tables=batch.block_tables, query_start_loc=batch.query_start_loc,
+                seq_lens=batch.seq_lens, scale=self.scale,
+            )  # fmt: skip
+            return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
         if self.rotary is not None:
             # RoPE on q and k, and this step's K/V into the cache, in one launch.
             q, k = self.ops.rotary_embedding(

@@ -121,6 +121,11 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
     # RoPE writes the K/V into the cache in its launch.
     rope = {kw["WRITE_KV"] for k, _, kw in launches.values() if k.name == "_rotary_kernel"}
     assert rope == {True}, rope
+    # Decode steps rotate and write them inside the decode attention's launch instead.
+    attention = {
+        kw["ROPE"] for k, _, kw in launches.values() if k.name == "_paged_attention_kernel"
+    }
+    assert attention == {True, False}, attention
     for expected in (
         "_mamba2_decode_kernel",
         "_ssd_chunk_scan_kernel",

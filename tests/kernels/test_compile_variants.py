@@ -45,8 +45,9 @@ ALIGNED_BAMBA = dict(
 
 # Keys a kernel may have over any batches, and why; every other kernel has one.
 BOUNDS = {
-    # prefill path and decode path (each with its own tuned tiles and warps), and the
-    # decode path with the context split over programs
+    # prefill path and decode path (each with its own tuned tiles and warps), the decode
+    # path of a decode step with RoPE and the K/V write inside, and, at longer contexts,
+    # the decode paths with the context split over programs
     "_paged_attention_kernel": 3,
     # with and without prefix-cache snapshots in the step (the layout kernel maps chunks
     # to their snapshot rows, the scan kernel writes them)
