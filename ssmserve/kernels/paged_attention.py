@@ -616,9 +616,15 @@ def _paged_attention_kernel(
             visible_hi = first_q_pos
         visible = tl.minimum(kv_hi, visible_hi) - kv_lo
         full_hi = kv_lo + tl.maximum(visible, 0) // BLOCK_N * BLOCK_N
+    tiles_end = kv_hi
+    if ROPE:
+        # The split holding the step's own key leaves its tile, the last, to the end.
+        own_tile = kv_lo + (last - kv_lo) // BLOCK_N * BLOCK_N
+        owner = (kv_lo <= last) & (last < kv_hi)
+        tiles_end = tl.where(owner, own_tile, kv_hi)
     for MASKED in tl.static_range(2):  # the whole tiles, then the masked ones
         if MASKED:
-            tiles_lo, tiles_hi = tl.maximum(full_hi, loop_lo), kv_hi
+            tiles_lo, tiles_hi = tl.maximum(full_hi, loop_lo), tiles_end
         else:
             tiles_lo, tiles_hi = loop_lo, full_hi
         for n0 in range(tiles_lo, tiles_hi, BLOCK_N):
@@ -630,14 +636,29 @@ def _paged_attention_kernel(
                 block_size, stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
                 stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d, MASKED=MASKED,
             )  # fmt: skip
-            if ROPE:
-                if MASKED:
-                    own = (k_pos == last)[:, None]
-                    k = tl.where(own, k_own[None, :], k)
-                    v = tl.where(own, v_own[None, :], v)
             m_i, l_i, acc = _attend_tile(
                 q, k, v, k_pos, q_pos, kv_hi, window, qk_scale, m_i, l_i, acc,
                 MASKED, HAS_WINDOW, DOT_DTYPE, DOT_PRECISION,
+            )  # fmt: skip
+    if ROPE:
+        # The own key's tile (once, in its split; already done where it was prefetched),
+        # that key's row from registers. Apart from the loops, whose tiles then go from
+        # the cache to the dots untouched.
+        for n0 in range(tl.maximum(tiles_end, loop_lo), kv_hi, BLOCK_N):
+            k_pos = n0 + tl.arange(0, BLOCK_N)
+            old_key = k_pos < tl.minimum(kv_hi, last)
+            block = _block_ids(bt_row, k_pos, old_key, block_size, stride_bt_b, MASKED=True)
+            k, v = _kv_tile(
+                k_cache_ptr, v_cache_ptr, block, k_pos, old_key, kv_head, offs_d, mask_d,
+                block_size, stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
+                stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d, MASKED=True,
+            )  # fmt: skip
+            own = (k_pos == last)[:, None]
+            k = tl.where(own, k_own[None, :], k)
+            v = tl.where(own, v_own[None, :], v)
+            m_i, l_i, acc = _attend_tile(
+                q, k, v, k_pos, q_pos, kv_hi, window, qk_scale, m_i, l_i, acc,
+                True, HAS_WINDOW, DOT_DTYPE, DOT_PRECISION,
             )  # fmt: skip
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     mask_out = mask_m[:, None] & mask_d[None, :]
