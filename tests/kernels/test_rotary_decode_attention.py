@@ -100,9 +100,12 @@ def test_twin_is_rope_then_attention():
 )
 def test_triton_is_the_two_launches_bit_for_bit(dtype, head_dim, rotary_dim, options):
     """Output and caches equal `rotary_embedding_triton` then `paged_attention_triton`
-    with the same launch parameters, bit for bit (the queries rotated with the same
-    rounding, the step's key taken from registers in its tile), and the twin within
-    the dtype's tolerance. The padding row writes nothing."""
+    with the same launch parameters, bit for bit in the interpreter (the queries rotated
+    with the same rounding, the step's key taken from registers in its tile), and the
+    twin within the dtype's tolerance. The padding row writes nothing. The GPU compiles
+    the two kernels apart and may contract their sums apart (a multiply and add as one
+    FMA, the dot's accumulator): there the 16-bit caches stay exact (each product and
+    sum is rounded to the dtype) and the rest within a few units of the last place."""
     (q, k, v), caches, step = decode_case(dtype, head_dim, rotary_dim)
     cfg = dict(block_m=16, block_n=16, num_warps=4, num_stages=1, prefetch=False, mask_skip=True)
     cfg.update(options)
@@ -114,8 +117,16 @@ def test_triton_is_the_two_launches_bit_for_bit(dtype, head_dim, rotary_dim, opt
         decode_config=cfg,
     )  # fmt: skip
     real = slice(0, len(CONTEXTS))  # the padding row's query may see other keys
-    assert torch.equal(out[real], expected[real])
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    if DEVICE.type == "cpu":
+        assert torch.equal(out[real], expected[real])
+        assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    else:
+        tol = 1e-6 if dtype == torch.float32 else 4e-3
+        torch.testing.assert_close(out[real], expected[real], atol=tol, rtol=tol)
+        torch.testing.assert_close(kc, kc2, atol=tol, rtol=tol)
+        assert torch.equal(vc, vc2)
+        if dtype != torch.float32:
+            assert torch.equal(kc, kc2)
     assert torch.isfinite(out.float()).all()
     kc3, vc3 = (c.clone() for c in caches)
     assert_close(out[real], rotary_decode_attention_ref(q, k, v, kc3, vc3, **step)[real])
@@ -134,7 +145,8 @@ def test_refuses_a_batch_with_prefills():
 @pytest.mark.parametrize(("batch", "context"), [(1, 2047), (1, 1000), (8, 4000), (64, 511)])
 def test_at_llama_sizes_on_the_gpu(batch, context, pdl):
     """Llama-3-8B's attention (32 / 8 heads of 128, bf16, 16-token blocks) at the decode
-    launch parameters the GPU picks: bit for bit the two launches, caches included."""
+    launch parameters the GPU picks: the caches bit for bit the two launches', the
+    output within a unit of bf16's last place (the kernels compile apart, see above)."""
     heads, kv_heads, D = 32, 8, 128
     gen = seeded(batch + context)
     width = -(-(context + 1) // 16)
@@ -165,4 +177,4 @@ def test_at_llama_sizes_on_the_gpu(batch, context, pdl):
         paged_attention_triton, q, k, v, kc2, vc2, dict(step, scaling=1.0), pdl=pdl,
     )  # fmt: skip
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
-    assert torch.equal(out, expected)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=2**-8)
