@@ -397,6 +397,46 @@ def _rope(x, partner, cos, sin):
     return (xc + ps).to(dtype)
 
 
+@device_function
+def _rope_angles(pos_ptr, freq_ptr, token, offs_d, half, scaling, dtype):
+    """RoPE at `token`'s position over a head's dims `offs_d`: cos and sin as
+    `_rotary_kernel` rounds them (to `dtype`), sin negated on the first half, each dim's
+    rotation partner, and which dims rotate."""
+    lower = offs_d < half
+    in_rot = offs_d < 2 * half
+    freq = tl.load(freq_ptr + tl.where(lower, offs_d, offs_d - half), mask=in_rot, other=0.0)
+    angle = tl.load(pos_ptr + token).to(tl.float32) * freq
+    cos = (tl.cos(angle) * scaling).to(dtype).to(tl.float32)
+    sin = (tl.sin(angle) * scaling).to(dtype).to(tl.float32)
+    partner = tl.where(lower, offs_d + half, offs_d - half)
+    return cos, tl.where(lower, -sin, sin), partner, in_rot
+
+
+@device_function
+def _own_key_value(
+    kn_row, vn_row, k_cache_ptr, v_cache_ptr, slot, write, offs_d, mask_d, angles,
+    block_size, stride_kc_b, stride_kc_o, stride_kc_h, stride_kc_d,
+    stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d, kv_head,
+):  # fmt: skip
+    """A sequence's new key (rotated) and value for one KV head, in the caches' dtypes,
+    stored at `slot` where `write`."""
+    cos, sin, partner, in_rot = angles
+    k = tl.load(kn_row + offs_d, mask=mask_d, other=0.0)
+    k_partner = tl.load(kn_row + partner, mask=mask_d, other=0.0)
+    k = tl.where(in_rot, _rope(k, k_partner, cos, sin), k).to(k_cache_ptr.dtype.element_ty)
+    v = tl.load(vn_row + offs_d, mask=mask_d, other=0.0).to(v_cache_ptr.dtype.element_ty)
+    block, offset = slot // block_size, slot % block_size
+    tl.store(
+        k_cache_ptr + block * stride_kc_b + offset * stride_kc_o + kv_head * stride_kc_h
+        + offs_d * stride_kc_d, k, mask=mask_d & write,
+    )  # fmt: skip
+    tl.store(
+        v_cache_ptr + block * stride_vc_b + offset * stride_vc_o + kv_head * stride_vc_h
+        + offs_d * stride_vc_d, v, mask=mask_d & write,
+    )  # fmt: skip
+    return k, v
+
+
 @lazy_jit(
     do_not_specialize=(
         "block_tables_ptr",
@@ -474,12 +514,13 @@ def _paged_attention_kernel(
     # PREFETCH (decode; pays with PDL): the split's first key tile is read before the
     # wait. A kernel of this step (RoPE's cache write) writes only the sequence's last
     # q_len positions, so those alone are read after it.
-    # ROPE (decode): q_ptr holds the step's queries before RoPE, kn_ptr / vn_ptr its new
-    # keys and values. Each program rotates its query heads; the program whose keys
-    # include the step's own position rotates the new key, writes it and the value to
-    # the caches at the step's slot, and every tile holding that position takes them
-    # from registers instead of the cache: `rotary_embedding` (with its cache write) and
-    # the attention of its output, in one launch.
+    # ROPE (decode with PREFETCH): q_ptr holds the step's queries before RoPE, kn_ptr /
+    # vn_ptr its new keys and values. Each program rotates its query heads; the program
+    # whose keys include the step's own position rotates the new key and writes it and
+    # the value to the caches at the step's slot, and the tile holding that position
+    # takes them from registers instead of the cache: `rotary_embedding` (with its cache
+    # write) and the attention of its output, in one launch.
+    tl.static_assert(PREFETCH or not ROPE, "ROPE takes PREFETCH's few tiles a split")
     if PDL:
         gdc_launch_dependents()
         if not PREFETCH:
@@ -532,19 +573,12 @@ def _paged_attention_kernel(
     bt_row = block_tables_ptr + seq * stride_bt_s
     if ROPE:
         # The step's inputs (position, slot) and the frequencies, before the wait.
-        lower = offs_d < rope_half
-        in_rot = offs_d < 2 * rope_half
-        partner = tl.where(lower, offs_d + rope_half, offs_d - rope_half)
-        freq = tl.load(
-            freq_ptr + tl.where(lower, offs_d, offs_d - rope_half), mask=in_rot, other=0.0
-        )
-        angle = tl.load(pos_ptr + q_start).to(tl.float32) * freq
-        rope_dtype = q_ptr.dtype.element_ty
-        cos = (tl.cos(angle) * rope_scaling).to(rope_dtype).to(tl.float32)
-        sin = (tl.sin(angle) * rope_scaling).to(rope_dtype).to(tl.float32)
-        sin = tl.where(lower, -sin, sin)
+        angles = _rope_angles(pos_ptr, freq_ptr, q_start, offs_d, rope_half, rope_scaling,
+                              q_ptr.dtype.element_ty)  # fmt: skip
         slot = tl.load(slot_ptr + q_start).to(tl.int64)
         last = seq_len - 1  # the step's own position
+        kn_row = kn_ptr + q_start * stride_kn_t + kv_head * stride_kn_h
+        vn_row = vn_ptr + q_start * stride_vn_t + kv_head * stride_vn_h
     if PREFETCH:
         first = kv_lo + tl.arange(0, BLOCK_N)
         old = first < tl.minimum(kv_hi, seq_len - q_len)
@@ -570,28 +604,20 @@ def _paged_attention_kernel(
     mask_q = mask_m[:, None] & mask_d[None, :]
     q = tl.load(q_rows + offs_d[None, :] * stride_q_d, mask=mask_q, other=0.0)
     if ROPE:
+        cos, sin, partner, in_rot = angles
         q_partner = tl.load(q_rows + partner[None, :] * stride_q_d, mask=mask_q, other=0.0)
         q = tl.where(in_rot[None, :], _rope(q, q_partner, cos[None, :], sin[None, :]), q)
-        kn_row = kn_ptr + q_start * stride_kn_t + kv_head * stride_kn_h
-        k_x = tl.load(kn_row + offs_d, mask=mask_d, other=0.0)
-        k_partner = tl.load(kn_row + partner, mask=mask_d, other=0.0)
-        k_own = tl.where(in_rot, _rope(k_x, k_partner, cos, sin), k_x)
-        k_own = k_own.to(k_cache_ptr.dtype.element_ty)
-        v_own = tl.load(vn_ptr + q_start * stride_vn_t + kv_head * stride_vn_h + offs_d,
-                        mask=mask_d, other=0.0).to(v_cache_ptr.dtype.element_ty)  # fmt: skip
-        # One split holds the step's position: it writes the caches (a slot < 0, a
+        # One split holds the step's position and writes the caches (a slot < 0, a
         # padding row's, writes nothing).
-        write = mask_d & (kv_lo <= last) & (last < kv_hi) & (slot >= 0)
-        block_off = (slot // block_size) * stride_kc_b + (slot % block_size) * stride_kc_o
-        tl.store(k_cache_ptr + block_off + kv_head * stride_kc_h + offs_d * stride_kc_d,
-                 k_own, mask=write)  # fmt: skip
-        block_off = (slot // block_size) * stride_vc_b + (slot % block_size) * stride_vc_o
-        tl.store(v_cache_ptr + block_off + kv_head * stride_vc_h + offs_d * stride_vc_d,
-                 v_own, mask=write)  # fmt: skip
-        if PREFETCH:
-            own = (first == last)[:, None]
-            k0 = tl.where(own, k_own[None, :], k0)
-            v0 = tl.where(own, v_own[None, :], v0)
+        owner = (kv_lo <= last) & (last < kv_hi)
+        k_own, v_own = _own_key_value(
+            kn_row, vn_row, k_cache_ptr, v_cache_ptr, slot, owner & (slot >= 0),
+            offs_d, mask_d, angles, block_size, stride_kc_b, stride_kc_o, stride_kc_h,
+            stride_kc_d, stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d, kv_head,
+        )  # fmt: skip
+        own = (first == last)[:, None]
+        k0 = tl.where(own, k_own[None, :], k0)
+        v0 = tl.where(own, v_own[None, :], v0)
     q = q.to(DOT_DTYPE)
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
@@ -620,7 +646,6 @@ def _paged_attention_kernel(
     if ROPE:
         # The split holding the step's own key leaves its tile, the last, to the end.
         own_tile = kv_lo + (last - kv_lo) // BLOCK_N * BLOCK_N
-        owner = (kv_lo <= last) & (last < kv_hi)
         tiles_end = tl.where(owner, own_tile, kv_hi)
     for MASKED in tl.static_range(2):  # the whole tiles, then the masked ones
         if MASKED:
@@ -641,9 +666,9 @@ def _paged_attention_kernel(
                 MASKED, HAS_WINDOW, DOT_DTYPE, DOT_PRECISION,
             )  # fmt: skip
     if ROPE:
-        # The own key's tile (once, in its split; already done where it was prefetched),
-        # that key's row from registers. Apart from the loops, whose tiles then go from
-        # the cache to the dots untouched.
+        # The own key's tile where it is not the prefetched one (once, in its split), that
+        # key's row from registers. Apart from the loops, whose tiles then go from the
+        # cache to the dots untouched.
         for n0 in range(tl.maximum(tiles_end, loop_lo), kv_hi, BLOCK_N):
             k_pos = n0 + tl.arange(0, BLOCK_N)
             old_key = k_pos < tl.minimum(kv_hi, last)
@@ -952,16 +977,22 @@ class _AttentionLaunch:
         num_decodes: int,
         decode_config: Mapping[str, Any] | None,
         rope: tuple[Any, ...] = _NO_ROPE,
-    ) -> None:
+    ) -> bool:
         """The decode path over the first `num_decodes` sequences (and the merge of its
         splits); `rope`: the kernel's RoPE arguments, to rotate q and write this step's
-        K/V in the same launch (`rotary_decode_attention`)."""
+        K/V in the same launch (`rotary_decode_attention`). That takes the `prefetch`
+        launches (few tiles a split, PDL): elsewhere the kernel would hold the own key
+        and its rotation beside a long pipelined loop, at twice the registers (253
+        against 128 a thread at batch 64, sm_90, 4 warps), and this returns False
+        without launching."""
         q, out, KVH, H = self.q, self.out, self.KVH, self.q.shape[1]
         max_context = self.block_tables.shape[1] * self.block_size
         cfg = decode_launch_config(
             num_decodes, KVH, self.heads_per_kv, self.Dh, max_context, q.device,
             decode_config, self.pdl,
         )  # fmt: skip
+        if rope[0] is not None and not cfg["prefetch"]:
+            return False
         splits = cfg["num_splits"]
         part_out = part_lse = out  # not touched with one split
         if splits > 1:
@@ -1010,3 +1041,4 @@ class _AttentionLaunch:
                 PDL=self.pdl,
                 **pdl_launch(self.pdl),
             )
+        return True

@@ -30,6 +30,7 @@ from ssmserve.kernels.paged_attention import (
     _check_attention_args,
     _check_kv_write_args,
     paged_attention_ref,
+    paged_attention_triton,
     write_kv_cache_ref,
 )
 
@@ -340,11 +341,13 @@ def rotary_decode_attention_triton(
     decode_config: Mapping[str, Any] | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """Triton twin of `rotary_decode_attention_ref`, bit for bit `rotary_embedding_triton`
-    then `paged_attention_triton`: the decode attention kernel rotates each program's
-    query heads, and the program holding a sequence's own position rotates its key and
-    writes it and the value to the caches, one launch fewer a layer. `decode_config`
-    overrides the decode launch parameters as `paged_attention_triton`'s does."""
+    """Triton twin of `rotary_decode_attention_ref`: `rotary_embedding_triton` then
+    `paged_attention_triton`, in one launch where the decode attention reads each split's
+    first key tile before its wait (`prefetch`: with PDL, few tiles a split, as at batch
+    1): its programs rotate their query heads, and the one holding a sequence's own
+    position rotates the key and writes it and the value to the caches. Elsewhere the
+    two launches. `decode_config` overrides the decode launch parameters as
+    `paged_attention_triton`'s does."""
     T = _check_decode_args(q, query_start_loc)
     _, half = _check_rotary_args(positions, q, k, inv_freq)
     _check_kv_write_args(k, v, k_cache, v_cache, slot_mapping)
@@ -361,5 +364,14 @@ def rotary_decode_attention_triton(
         k, v, positions, inv_freq, slot_mapping, half, float(scaling),
         *k.stride()[:2], *v.stride()[:2],
     )  # fmt: skip
-    launch.decode(T, decode_config, rope)
-    return out
+    if launch.decode(T, decode_config, rope):
+        return out
+    q, _ = rotary_embedding_triton(
+        positions, q, k, inv_freq, scaling=scaling,
+        v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, pdl=pdl,
+    )  # fmt: skip
+    return paged_attention_triton(
+        q, k_cache, v_cache, block_tables=block_tables, query_start_loc=query_start_loc,
+        seq_lens=seq_lens, scale=scale, sliding_window=sliding_window, num_decodes=T,
+        decode_config=decode_config, pdl=pdl,
+    )  # fmt: skip

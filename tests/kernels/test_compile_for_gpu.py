@@ -27,6 +27,7 @@ from ssmserve.kernels._common import LazyKernel
 from ssmserve.kernels.decode_inputs import STATIC, decode_inputs_triton
 from ssmserve.kernels.gemv import gemv_act_and_mul_triton, gemv_triton
 from ssmserve.kernels.paged_attention import write_kv_cache_triton
+from ssmserve.kernels.rotary import rotary_decode_attention_triton
 from ssmserve.layers.batch import HEADER_LEN, ForwardBatch, StepInputs
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -107,6 +108,18 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
         torch.zeros(1, dtype=torch.long, device=DEVICE),
         {name: getattr(static, name) for name in STATIC}, 1,
     )  # fmt: skip
+    # A decode step's attention with RoPE and the K/V write in its launch, as graphs with
+    # PDL run it at batch 1 (its first key tile read before the wait).
+    qkv = torch.zeros(1, 8, 16, dtype=torch.bfloat16, device=DEVICE)
+    kv_cache = torch.zeros(4, 16, 2, 16, dtype=torch.bfloat16, device=DEVICE)
+    one = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    rotary_decode_attention_triton(
+        qkv[:, :4], qkv[:, 4:6], qkv[:, 6:], kv_cache, kv_cache.clone(),
+        positions=one.long(), inv_freq=torch.ones(8, device=DEVICE),
+        slot_mapping=one.long(), block_tables=one.view(1, 1),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+        seq_lens=one + 1, scale=0.25, decode_config={"prefetch": True},
+    )  # fmt: skip
     # A bf16 model's LM head at one row: the GEMV stores float32 logits.
     head = torch.zeros(32, 64, dtype=torch.bfloat16, device=DEVICE)
     gemv_triton(head[:1], head, out_dtype=torch.float32)
@@ -121,7 +134,7 @@ def test_every_kernel_variant_the_models_launch_compiles_for_sm90(tmp_path, monk
     # RoPE writes the K/V into the cache in its launch.
     rope = {kw["WRITE_KV"] for k, _, kw in launches.values() if k.name == "_rotary_kernel"}
     assert rope == {True}, rope
-    # Decode steps rotate and write them inside the decode attention's launch instead.
+    # Decode steps with PDL rotate and write them inside the decode attention's launch.
     attention = {
         kw["ROPE"] for k, _, kw in launches.values() if k.name == "_paged_attention_kernel"
     }

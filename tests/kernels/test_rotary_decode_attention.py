@@ -9,6 +9,7 @@ from kernel_testing import assert_close, randn, seeded
 from test_ref_paged_attention import build_case
 from triton_testing import DEVICE, requires_triton
 
+from ssmserve.kernels import rotary as rotary_module
 from ssmserve.kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from ssmserve.kernels.rotary import (
     rotary_decode_attention_ref,
@@ -91,26 +92,35 @@ def test_twin_is_rope_then_attention():
 @pytest.mark.parametrize(
     "options",
     [
-        {"num_splits": 1},
-        {"num_splits": 3},
         {"num_splits": 8, "prefetch": True},
-        {"num_splits": 3, "mask_skip": False},
+        {"num_splits": 1, "prefetch": True},
+        {"num_splits": 3, "prefetch": True, "mask_skip": False},
+        {"num_splits": 3},
     ],
-    ids=["one-split", "splits", "prefetch", "no-mask-skip"],
+    ids=["splits", "one-split", "no-mask-skip", "two-launches"],
 )
-def test_triton_is_the_two_launches_bit_for_bit(dtype, head_dim, rotary_dim, options):
+def test_triton_is_the_two_launches_bit_for_bit(dtype, head_dim, rotary_dim, options, monkeypatch):
     """Output and caches equal `rotary_embedding_triton` then `paged_attention_triton`
     with the same launch parameters, bit for bit in the interpreter (the queries rotated
     with the same rounding, the step's key taken from registers in its tile), and the
-    twin within the dtype's tolerance. The padding row writes nothing. The GPU compiles
-    the two kernels apart and may contract their sums apart (a multiply and add as one
-    FMA, the dot's accumulator): there the 16-bit caches stay exact (each product and
-    sum is rounded to the dtype) and the rest within a few units of the last place."""
+    twin within the dtype's tolerance; one launch with `prefetch`, the two without. The
+    padding row writes nothing. The GPU compiles the two kernels apart and may contract
+    their sums apart (a multiply and add as one FMA, the dot's accumulator): there the
+    16-bit caches stay exact (each product and sum is rounded to the dtype) and the rest
+    within a few units of the last place."""
     (q, k, v), caches, step = decode_case(dtype, head_dim, rotary_dim)
     cfg = dict(block_m=16, block_n=16, num_warps=4, num_stages=1, prefetch=False, mask_skip=True)
     cfg.update(options)
+    rope_launches = []
+    rope = rotary_module.rotary_embedding_triton
+    monkeypatch.setattr(
+        rotary_module,
+        "rotary_embedding_triton",
+        lambda *a, **kw: rope_launches.append(1) or rope(*a, **kw),
+    )
     kc, vc = (c.clone() for c in caches)
     out = rotary_decode_attention_triton(q, k, v, kc, vc, **step, decode_config=cfg)
+    assert len(rope_launches) == (0 if cfg["prefetch"] else 1)
     kc2, vc2 = (c.clone() for c in caches)
     expected = two_launches(
         rotary_embedding_triton, paged_attention_triton, q, k, v, kc2, vc2, step,
