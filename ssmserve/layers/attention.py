@@ -101,8 +101,8 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.rotary is not None and batch.num_decodes == batch.num_seqs == num_tokens:
-            # A decode step: RoPE, this step's K/V into the cache and the attention in one
-            # launch.
+            # A decode step: RoPE, this step's K/V into the cache and the attention, in
+            # one launch where the op can (batch 1 under PDL), else in two.
             out = self.ops.rotary_decode_attention(
                 q, k, v, cache.k, cache.v,
                 positions=batch.positions, inv_freq=self.rotary.inv_freq,

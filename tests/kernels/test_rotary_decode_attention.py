@@ -82,24 +82,27 @@ def test_twin_is_rope_then_attention():
     assert not torch.equal(kc, caches[0])  # the step's keys were written
 
 
+# float16 over every launch form; partial rotary and float32 over the one launch with
+# several splits (the interpreter is slow: each case runs the kernels in Python).
+FP16, PARTIAL, FP32 = (torch.float16, 16, 16), (torch.float16, 12, 8), (torch.float32, 16, 16)
+SPLITS = {"num_splits": 8, "prefetch": True}
+
+
 @requires_triton
 @pytest.mark.filterwarnings("error::RuntimeWarning")
 @pytest.mark.parametrize(
-    ("dtype", "head_dim", "rotary_dim"),
-    [(torch.float16, 16, 16), (torch.float16, 12, 8), (torch.float32, 16, 16)],
-    ids=["fp16", "fp16-partial", "fp32"],
-)
-@pytest.mark.parametrize(
-    "options",
+    ("case", "options"),
     [
-        {"num_splits": 8, "prefetch": True},
-        {"num_splits": 1, "prefetch": True},
-        {"num_splits": 3, "prefetch": True, "mask_skip": False},
-        {"num_splits": 3},
+        (FP16, SPLITS),
+        (FP16, {"num_splits": 1, "prefetch": True}),
+        (FP16, {"num_splits": 3, "prefetch": True, "mask_skip": False}),
+        (FP16, {"num_splits": 3}),
+        (PARTIAL, SPLITS),
+        (FP32, SPLITS),
     ],
-    ids=["splits", "one-split", "no-mask-skip", "two-launches"],
+    ids=["splits", "one-split", "no-mask-skip", "two-launches", "partial-rotary", "fp32"],
 )
-def test_triton_is_the_two_launches_bit_for_bit(dtype, head_dim, rotary_dim, options, monkeypatch):
+def test_triton_is_the_two_launches_bit_for_bit(case, options, monkeypatch):
     """Output and caches equal `rotary_embedding_triton` then `paged_attention_triton`
     with the same launch parameters, bit for bit in the interpreter (the queries rotated
     with the same rounding, the step's key taken from registers in its tile), and the
@@ -108,7 +111,8 @@ def test_triton_is_the_two_launches_bit_for_bit(dtype, head_dim, rotary_dim, opt
     their sums apart (a multiply and add as one FMA, the dot's accumulator): there the
     16-bit caches stay exact (each product and sum is rounded to the dtype) and the rest
     within a few units of the last place."""
-    (q, k, v), caches, step = decode_case(dtype, head_dim, rotary_dim)
+    dtype = case[0]
+    (q, k, v), caches, step = decode_case(*case)
     cfg = dict(block_m=16, block_n=16, num_warps=4, num_stages=1, prefetch=False, mask_skip=True)
     cfg.update(options)
     rope_launches = []
