@@ -156,14 +156,20 @@ def test_refuses_a_batch_with_prefills():
 @requires_triton
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes: a GPU's work")
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
-@pytest.mark.parametrize(("batch", "context"), [(1, 2047), (1, 1000), (8, 4000), (64, 511)])
-def test_at_llama_sizes_on_the_gpu(batch, context, pdl):
+# (batch, context, the block table's tokens): with PDL the first two take one launch
+# (splits of two 64-key tiles), the own key in its split's first tile, then in its
+# second; the last two take two launches.
+@pytest.mark.parametrize(
+    ("batch", "context", "table"),
+    [(1, 2200, 4096), (1, 2047, 2048), (8, 4000, 4016), (64, 511, 512)],
+)
+def test_at_llama_sizes_on_the_gpu(batch, context, table, pdl):
     """Llama-3-8B's attention (32 / 8 heads of 128, bf16, 16-token blocks) at the decode
     launch parameters the GPU picks: the caches bit for bit the two launches', the
     output within a unit of bf16's last place (the kernels compile apart, see above)."""
     heads, kv_heads, D = 32, 8, 128
     gen = seeded(batch + context)
-    width = -(-(context + 1) // 16)
+    width = table // 16
     tables = torch.randperm(batch * width + 5, generator=gen)[: batch * width].view(batch, width)
     k_cache, v_cache = (
         randn(batch * width + 5, 16, kv_heads, D, gen=gen, dtype=torch.bfloat16).cuda()
