@@ -637,16 +637,14 @@ def _paged_attention_kernel(
         full_hi = loop_lo
     else:
         first_q_pos = seq_len - q_len + m_block * BLOCK_Q
-        visible_hi = first_q_pos + 1
-        if ROPE:  # the step's own key in a masked tile, which takes it from registers
-            visible_hi = first_q_pos
-        visible = tl.minimum(kv_hi, visible_hi) - kv_lo
+        visible = tl.minimum(kv_hi, first_q_pos + 1) - kv_lo
         full_hi = kv_lo + tl.maximum(visible, 0) // BLOCK_N * BLOCK_N
     tiles_end = kv_hi
     if ROPE:
         # The split holding the step's own key leaves its tile, the last, to the end.
         own_tile = kv_lo + (last - kv_lo) // BLOCK_N * BLOCK_N
         tiles_end = tl.where(owner, own_tile, kv_hi)
+        full_hi = tl.minimum(full_hi, tiles_end)
     for MASKED in tl.static_range(2):  # the whole tiles, then the masked ones
         if MASKED:
             tiles_lo, tiles_hi = tl.maximum(full_hi, loop_lo), tiles_end
@@ -883,7 +881,7 @@ def paged_attention_triton(
         sliding_window, pdl,
     )  # fmt: skip
     if num_decodes > 0:
-        launch.decode(num_decodes, decode_config)
+        launch.decode(num_decodes, launch.decode_config(num_decodes, decode_config))
     num_prefills = S - num_decodes
     if num_prefills > 0:
         cfg = prefill_launch_config(H // KVH, Dh, prefill_config)
@@ -972,27 +970,24 @@ class _AttentionLaunch:
             DOT_PRECISION=precision,
         )
 
-    def decode(
-        self,
-        num_decodes: int,
-        decode_config: Mapping[str, Any] | None,
-        rope: tuple[Any, ...] = _NO_ROPE,
-    ) -> bool:
-        """The decode path over the first `num_decodes` sequences (and the merge of its
-        splits); `rope`: the kernel's RoPE arguments, to rotate q and write this step's
-        K/V in the same launch (`rotary_decode_attention`). That takes the `prefetch`
-        launches (few tiles a split, PDL): elsewhere the kernel would hold the own key
-        and its rotation beside a long pipelined loop, at twice the registers (253
-        against 128 a thread at batch 64, sm_90, 4 warps), and this returns False
-        without launching."""
-        q, out, KVH, H = self.q, self.out, self.KVH, self.q.shape[1]
+    def decode_config(
+        self, num_decodes: int, decode_config: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
+        """The decode path's launch parameters (`decode_launch_config`) for this call."""
         max_context = self.block_tables.shape[1] * self.block_size
-        cfg = decode_launch_config(
-            num_decodes, KVH, self.heads_per_kv, self.Dh, max_context, q.device,
+        return decode_launch_config(
+            num_decodes, self.KVH, self.heads_per_kv, self.Dh, max_context, self.q.device,
             decode_config, self.pdl,
         )  # fmt: skip
-        if rope[0] is not None and not cfg["prefetch"]:
-            return False
+
+    def decode(
+        self, num_decodes: int, cfg: Mapping[str, Any], rope: tuple[Any, ...] = _NO_ROPE
+    ) -> None:
+        """The decode path over the first `num_decodes` sequences (and the merge of its
+        splits) with launch parameters `cfg` (`decode_config`); `rope`: the kernel's RoPE
+        arguments, to rotate q and write this step's K/V in the same launch
+        (`rotary_decode_attention`, with `prefetch` only)."""
+        q, out, KVH, H = self.q, self.out, self.KVH, self.q.shape[1]
         splits = cfg["num_splits"]
         part_out = part_lse = out  # not touched with one split
         if splits > 1:
@@ -1041,4 +1036,3 @@ class _AttentionLaunch:
                 PDL=self.pdl,
                 **pdl_launch(self.pdl),
             )
-        return True

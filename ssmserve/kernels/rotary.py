@@ -26,11 +26,11 @@ from ssmserve.kernels._common import (
     tl,
 )
 from ssmserve.kernels.paged_attention import (
+    _NO_ROPE,
     _AttentionLaunch,
     _check_attention_args,
     _check_kv_write_args,
     paged_attention_ref,
-    paged_attention_triton,
     write_kv_cache_ref,
 )
 
@@ -360,18 +360,24 @@ def rotary_decode_attention_triton(
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale,
         sliding_window, pdl,
     )  # fmt: skip
-    rope = (
-        k, v, positions, inv_freq, slot_mapping, half, float(scaling),
-        *k.stride()[:2], *v.stride()[:2],
-    )  # fmt: skip
-    if launch.decode(T, decode_config, rope):
-        return out
-    q, _ = rotary_embedding_triton(
-        positions, q, k, inv_freq, scaling=scaling,
-        v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, pdl=pdl,
-    )  # fmt: skip
-    return paged_attention_triton(
-        q, k_cache, v_cache, block_tables=block_tables, query_start_loc=query_start_loc,
-        seq_lens=seq_lens, scale=scale, sliding_window=sliding_window, num_decodes=T,
-        decode_config=decode_config, pdl=pdl,
-    )  # fmt: skip
+    cfg = launch.decode_config(T, decode_config)
+    if cfg["prefetch"]:
+        rope = (
+            k, v, positions, inv_freq, slot_mapping, half, float(scaling),
+            *k.stride()[:2], *v.stride()[:2],
+        )  # fmt: skip
+    else:
+        # Without prefetch a split walks many tiles in a pipelined loop, beside which the
+        # kernel would hold the own key and its rotation at twice the registers (253
+        # against 128 a thread at batch 64, sm_90, 4 warps): half the programs an SM.
+        q, _ = rotary_embedding_triton(
+            positions, q, k, inv_freq, scaling=scaling,
+            v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, pdl=pdl,
+        )  # fmt: skip
+        launch = _AttentionLaunch(
+            q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, scale,
+            sliding_window, pdl,
+        )  # fmt: skip
+        rope = _NO_ROPE
+    launch.decode(T, cfg, rope)
+    return out
