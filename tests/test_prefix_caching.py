@@ -99,6 +99,7 @@ def drive(engine: LLMEngine, prompts, rng: random.Random, aborted: set[str]) -> 
 )
 @given(seed=st.integers(0, 2**16), budget=st.sampled_from([4, 13, None]), tiny=st.booleans())
 @example(seed=487, budget=13, tiny=False)  # the largest rounding difference found so far
+@example(seed=3056, budget=4, tiny=False)  # the last prompt aborted before it was cached
 def test_cached_equals_uncached(checkpoint, family, seed, budget, tiny):
     """Random prompt trees arriving over time, any token budget, aborts; `tiny`: a pool of
     two state checkpoints (evicting all along) and, for attention models, so few KV blocks
@@ -122,7 +123,8 @@ def test_cached_equals_uncached(checkpoint, family, seed, budget, tiny):
     if not tiny:
         again = llm.generate([ids(prompts[-1])], GREEDY, use_tqdm=False)[0]
         assert_same(again, want[-1], "again")
-        assert again.num_cached_tokens == len(prompts[-1]) - 1
+        if str(len(prompts) - 1) not in aborted:  # aborted, it may never have been cached
+            assert again.num_cached_tokens == len(prompts[-1]) - 1
     assert_idle(llm)
 
 
